@@ -1,0 +1,259 @@
+"""Validated configuration of the engine.
+
+Every part is a dataclass checked once in ``__post_init__``: a bad value raises ``ValueError`` naming
+the field, the value and what is allowed. Values discovered at start-up (KV block counts, eos ids) are
+runtime state and live in runtime objects, never here. Field names follow FastDeploy's public ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise ``ValueError('<name>=<value!r> is invalid; allowed: <allowed>')`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
+    """Check that ``value`` is an int (not bool) >= ``minimum`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    check(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        name,
+        value,
+        f"an integer >= {minimum}" + (" or null" if optional else ""),
+    )
+
+
+def unknown_key_error(kind: str, key: str, valid: list[str]) -> ValueError:
+    """A ``ValueError`` for an unknown key, listing the close matches (or all valid keys)."""
+    close = difflib.get_close_matches(key, valid, n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    return ValueError(f"unknown {kind} {key!r}; {hint}")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run. ``model=None`` means the default SmolLM2-135M-Instruct GGUF.
+
+    ``max_model_len`` (tokens, prompt + output) of ``None`` is resolved from the model's
+    ``max_position_embeddings`` when the engine config is created.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
+        check_int("max_model_len", self.max_model_len, optional=True)
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache. ``swap_space`` is the host (CPU) KV tier in GiB; 0 means none."""
+
+    block_size: int = 64
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size)
+        check(
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "a number in (0, 1]",
+        )
+        check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
+        check(
+            isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+            "swap_space",
+            self.swap_space,
+            "a number of GiB >= 0",
+        )
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+              self.enable_prefix_caching, "true or false")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism and prefill/decode disaggregation role."""
+
+    tensor_parallel_size: int = 1
+    splitwise_role: str = "mixed"
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
+        check(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", self.splitwise_role,
+              ", ".join(SPLITWISE_ROLES))
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits. ``max_num_batched_tokens`` is the per-step token budget.
+
+    ``None`` resolves to 2048 with chunked prefill, else to ``max_model_len`` (a whole prompt must
+    fit one step), when the engine config is created.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill",
+              self.enable_chunked_prefill, "true or false")
+
+
+@dataclass
+class LoadConfig:
+    """How weights are read: ``auto`` picks gguf for a ``.gguf`` file, else safetensors."""
+
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+              ", ".join(LOAD_FORMATS))
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs. ``attention_backend=None`` picks the platform's default."""
+
+    device: str = "auto"
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        check(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+
+    @property
+    def resolved_device(self) -> str:
+        """``cuda`` if asked for or (``auto``) available, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class GraphOptimizationConfig:
+    """CUDA graph settings; see ``docs/graph-optimization.md`` in the shared docs for semantics.
+
+    Capture sizes: decode buckets count requests, prefill buckets count tokens. ``None`` means the
+    default ladder (see :mod:`fastdeploy.model_executor.graph_optimization.capture_sizes`).
+    """
+
+    use_cudagraph: bool = True
+    graph_opt_level: int = 0
+    full_cuda_graph: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    cudagraph_capture_sizes_prefill: list[int] | None = None
+    max_capture_shape_prefill: int = 8192
+    cudagraph_num_of_warmups: int = 2
+    use_unique_memory_pool: bool = True
+    cudagraph_only_prefill: bool = False
+    cudagraph_splitting_ops: list[str] = field(default_factory=lambda: ["attention"])
+
+    def __post_init__(self) -> None:
+        for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool",
+                     "cudagraph_only_prefill"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), name, value, "true or false")
+        check(self.graph_opt_level in (0, 1, 2) and not isinstance(self.graph_opt_level, bool),
+              "graph_opt_level", self.graph_opt_level, "0, 1 or 2")
+        check_int("max_capture_shape_prefill", self.max_capture_shape_prefill)
+        check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
+        for name in ("cudagraph_capture_sizes", "cudagraph_capture_sizes_prefill"):
+            sizes = getattr(self, name)
+            if sizes is None:
+                continue
+            check(isinstance(sizes, list) and len(sizes) > 0, name, sizes,
+                  "a non-empty list of positive integers or null")
+            for s in sizes:
+                check(isinstance(s, int) and not isinstance(s, bool) and s > 0, name, sizes,
+                      "a list of positive integers (found %r)" % (s,))
+        check(isinstance(self.cudagraph_splitting_ops, list)
+              and all(isinstance(o, str) for o in self.cudagraph_splitting_ops)
+              and self.cudagraph_splitting_ops == ["attention"],
+              "cudagraph_splitting_ops", self.cudagraph_splitting_ops, '["attention"]')
+
+    @classmethod
+    def from_value(cls, value: GraphOptimizationConfig | dict | str | None) -> GraphOptimizationConfig:
+        """Build from a dict, a JSON string, ``None`` (defaults) or an instance.
+
+        Raises:
+            ValueError: bad JSON, an unknown key (with close matches) or a bad field value.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"graph_optimization_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"graph_optimization_config={value!r} is invalid; allowed: a JSON object or dict"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in names:
+                raise unknown_key_error("graph_optimization_config key", key, names)
+        return cls(**value)
+
+
+@dataclass
+class FDConfig:
+    """The whole engine configuration; :class:`fastdeploy.engine.args_utils.EngineArgs` builds it."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    graph_opt_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON-able dict, one key per part (round-trips through :meth:`from_dict`)."""
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> FDConfig:
+        """Inverse of :meth:`to_dict`; unknown parts or keys raise ``ValueError``."""
+        parts = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, values in data.items():
+            if name not in parts:
+                raise unknown_key_error("config part", name, list(parts))
+            part_cls = parts[name].default_factory  # the part's class
+            valid = [f.name for f in dataclasses.fields(part_cls)]
+            for key in values:
+                if key not in valid:
+                    raise unknown_key_error(f"{name} key", key, valid)
+            kwargs[name] = part_cls(**values)
+        return cls(**kwargs)

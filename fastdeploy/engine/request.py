@@ -1,0 +1,74 @@
+"""A request as the scheduler sees it: token ids and a few integer lengths."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request. ``WAITING`` includes requests preempted by recompute."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # eos, stop string or stop token
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        """True for the three finished states."""
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    Lengths, all in tokens:
+      * ``num_prompt_tokens``: ``len(prompt_token_ids)``;
+      * ``num_tokens``: prompt plus generated tokens so far;
+      * ``num_computed_tokens``: tokens whose KV is in the cache (including ``num_cached_tokens``);
+      * ``num_cached_tokens``: prompt tokens found in the prefix cache at admission.
+
+    ``block_ids`` is the request's block table (KV block ids in order).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish reason: ``stop``, ``length``, ``abort`` or ``None`` while running."""
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,54 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastdeploy.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes tokens ``request.all_token_ids[start : start + num_new_tokens]`` at positions
+    ``start ..`` where ``start = num_computed_tokens`` (captured at scheduling time; the request's
+    own counter is advanced only by :meth:`Scheduler.update_from_output`).
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so a token is sampled
+        (false for a non-final chunk of a chunked prefill)."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: running (decode) requests first, then newly admitted or resumed ones.
+
+    ``finished_request_ids`` lists requests that left since the last step (finished, aborted), so
+    the runner can drop per-request state; ``preempted`` lists requests preempted by recompute in
+    this call (their blocks were freed and they will re-prefill).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request adds exactly one token (host data, no device sync)."""
+        return bool(self.scheduled) and all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
