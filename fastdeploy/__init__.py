@@ -1,0 +1,22 @@
+"""FastDeploy-style LLM serving engine on PyTorch: paged KV cache, continuous batching, CUDA graphs.
+
+``from fastdeploy import LLM, SamplingParams`` is the offline API; ``fastdeploy serve`` the server.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import fastdeploy` (CLI start-up, --print-config) does not import torch models.
+    if name == "LLM":
+        from fastdeploy.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fastdeploy.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'fastdeploy' has no attribute {name!r}")

@@ -60,6 +60,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    #: True when :meth:`make_graph_decode_metadata` / :meth:`plan_graph_decode` are implemented,
+    #: i.e. a whole decode step including attention can be captured in one CUDA graph.
+    supports_graph_decode: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -80,9 +83,19 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the step's batch into backend metadata, once per step."""
 
+    def make_graph_decode_metadata(self, batch_size: int) -> Any:
+        """Prepare for capture: metadata bound to fixed-size buffers for a decode bucket of
+        ``batch_size`` requests, to be captured inside a full CUDA graph."""
+        raise NotImplementedError(f"{self.name} cannot capture decode attention in a CUDA graph")
+
+    def plan_graph_decode(self, graph_metadata: Any, batch: AttentionBatch, batch_size: int) -> Any:
+        """Prepare for replay: re-plan ``graph_metadata`` (from :meth:`make_graph_decode_metadata`)
+        in place for this step's requests, padded to ``batch_size`` requests; returns it."""
+        raise NotImplementedError(f"{self.name} cannot capture decode attention in a CUDA graph")
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V through the slot mapping, then attend.
 
         Args:
@@ -90,6 +103,8 @@ class AttentionBackend(ABC):
                 the batch's real tokens are padding (their slot is -1, their output is garbage).
             kv_cache: this layer's cache, shape :meth:`kv_cache_shape`.
             metadata: what :meth:`build_metadata` returned for this step.
+            out: optional ``[T, num_heads * head_dim]`` tensor to write the result into (piecewise
+                graphs pass the buffer the next segment was captured reading).
 
         Returns:
             ``[T, num_heads * head_dim]``, causal attention over each request's cached and new

@@ -1,0 +1,52 @@
+"""Registry of attention backends: a name maps to a lazily imported class."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS = {
+    "torch_native": "fastdeploy.model_executor.layers.attention.torch_native:TorchNativeAttentionBackend",
+    "flashinfer": "fastdeploy.model_executor.layers.attention.flashinfer_backend:FlashInferAttentionBackend",
+}
+
+
+def backend_names() -> list[str]:
+    """Names accepted by ``--attention-backend`` / ``FD_ATTENTION_BACKEND``."""
+    return list(_BACKENDS)
+
+
+def get_attention_backend_cls(name: str) -> type[AttentionBackend]:
+    """Import and return the backend class called ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+        ImportError: the backend's library is not installed.
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def select_attention_backend(requested: str | None, device_type: str) -> type[AttentionBackend]:
+    """The backend to use: ``requested`` if given; on CUDA flashinfer when it imports (else the
+    torch-native backend with a warning); on CPU the torch-native backend.
+
+    Raises:
+        ValueError: unknown name, or flashinfer named on a CPU device.
+    """
+    if requested is not None:
+        if requested == "flashinfer" and device_type != "cuda":
+            raise ValueError("attention_backend='flashinfer' needs a CUDA device; on CPU use 'torch_native'")
+        return get_attention_backend_cls(requested)
+    if device_type == "cuda":
+        try:
+            return get_attention_backend_cls("flashinfer")
+        except ImportError as e:
+            logger.warning("flashinfer is not usable (%s); using the torch_native attention backend", e)
+    return get_attention_backend_cls("torch_native")

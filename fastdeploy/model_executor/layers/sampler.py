@@ -1,0 +1,92 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-N log-probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for one step, rows aligned with the logits.
+
+    Attributes:
+        temperature: float32 ``[N]``; 0 marks a greedy row.
+        top_p: float32 ``[N]`` in (0, 1].
+        top_k: int64 ``[N]``; 0 disables top-k for that row.
+        generators: one ``torch.Generator`` per row, or ``None`` to use the engine's generator
+            (a seeded request owns its generator, so its draws do not depend on its batch-mates).
+        all_greedy: every row is greedy (skips the random path).
+        max_num_logprobs: largest ``logprobs`` asked for in the step, or ``None``.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    max_num_logprobs: int | None
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids`` int64 ``[N]``; with logprobs asked: ``logprobs`` float32 ``[N]`` of the chosen
+    tokens and ``top_ids`` int64 / ``top_logprobs`` float32 ``[N, max_num_logprobs]``."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask ``logits`` ``[N, V]`` outside each row's top-k and nucleus (top-p) set with ``-inf``.
+
+    Top-p keeps the smallest set of most likely tokens whose probability mass reaches ``top_p``
+    (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"); the most likely token
+    is always kept.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    mask = ranks >= k
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= top_p.unsqueeze(1)
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Picks one token per row of logits.
+
+    Random rows use the exponential-race form of categorical sampling (``argmax(p / q)`` with
+    ``q ~ Exp(1)``), which needs no device-to-host sync and lets each row draw from its own
+    generator.
+    """
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample from ``logits`` float32 ``[N, V]``; returns token ids int64 ``[N]`` and, when asked,
+        log-probabilities of the raw (untempered) distribution."""
+        logits = logits.float()
+        out = SamplerOutput(token_ids=logits.argmax(dim=-1))
+        if meta.max_num_logprobs is not None:
+            logp = logits.log_softmax(dim=-1)
+        if not meta.all_greedy:
+            greedy = meta.temperature == 0
+            temp = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
+            scaled = apply_top_k_top_p(logits / temp.unsqueeze(1), meta.top_k, meta.top_p)
+            probs = scaled.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            for row, gen in enumerate(meta.generators):
+                q[row].exponential_(generator=gen)
+            sampled = (probs / q).argmax(dim=-1)
+            out.token_ids = torch.where(greedy, out.token_ids, sampled)
+        if meta.max_num_logprobs is not None:
+            out.logprobs = logp.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+            if meta.max_num_logprobs > 0:
+                out.top_logprobs, out.top_ids = logp.topk(meta.max_num_logprobs, dim=-1)
+        return out

@@ -1,0 +1,208 @@
+"""The worker: device, model loading, KV cache sizing and allocation, warm-up.
+
+One worker per rank (only rank 0 today). It runs on CUDA or CPU; the name follows FastDeploy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from fastdeploy import envs
+from fastdeploy.config import FDConfig
+from fastdeploy.engine.request import Request
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+from fastdeploy.model_executor.layers.attention.selector import select_attention_backend
+from fastdeploy.model_executor.model_loader import get_model
+from fastdeploy.platforms import get_platform
+from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.worker.input_batch import InputBuffers
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def resolve_dtype(dtype: str, device_type: str, hf_config) -> torch.dtype:
+    """``auto`` -> the platform default (float32 on CPU; on CUDA the checkpoint's float16/bfloat16,
+    else bfloat16); otherwise the named dtype."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device_type == "cuda":
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if cfg in (torch.float16, torch.bfloat16, "float16", "bfloat16"):
+            return getattr(torch, cfg) if isinstance(cfg, str) else cfg
+    return get_platform(device_type).default_dtype
+
+
+def dummy_step(num_reqs: int, tokens_per_req: int, block_size: int, first_block: int = 1,
+               decode: bool = False) -> SchedulerOutput:
+    """A synthetic step of ``num_reqs`` requests of ``tokens_per_req`` new tokens each, with
+    consecutive blocks from ``first_block`` (for profiling and graph capture). With ``decode``
+    each request has a one-token KV history, so the step looks like a decode step."""
+    sched = SchedulerOutput()
+    block = first_block
+    history = 1 if decode else 0
+    for i in range(num_reqs):
+        n = history + tokens_per_req
+        nblocks = math.ceil(n / block_size)
+        req = Request(f"dummy-{i}", [0] * n, SamplingParams(temperature=0, max_tokens=1))
+        req.block_ids = list(range(block, block + nblocks))
+        block += nblocks
+        sched.scheduled.append(ScheduledRequest(req, history, tokens_per_req))
+    return sched
+
+
+class GpuWorker:
+    """Owns the device, the model, the KV cache and the runner.
+
+    Args:
+        config: the resolved engine config.
+        model_source: what :func:`fastdeploy.model_executor.model_loader.source.resolve_model`
+            returned.
+        graph_plan: the resolved graph plan (workers receive it; they never re-derive it).
+    """
+
+    def __init__(self, config: FDConfig, model_source, graph_plan: GraphPlan) -> None:
+        self.config = config
+        self.source = model_source
+        self.graph_plan = graph_plan
+        self.device = torch.device(config.device_config.resolved_device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        hf = model_source.hf_config
+        self.dtype = resolve_dtype(config.model_config.dtype, self.device.type, hf)
+        self.num_layers = hf.num_hidden_layers
+        self.num_heads = hf.num_attention_heads
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
+        self.runner: GPUModelRunner | None = None
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------- loading
+    def load_model(self) -> None:
+        """Load weights and build the runner with persistent buffers."""
+        cfg = self.config
+        torch.manual_seed(cfg.model_config.seed)
+        model = get_model(self.source, self.dtype, self.device, cfg.model_config.seed)
+        backend_name = cfg.device_config.attention_backend or envs.FD_ATTENTION_BACKEND()
+        backend_cls = select_attention_backend(backend_name, self.device.type)
+        block_size = cfg.cache_config.block_size
+        backend = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, block_size,
+                              self.dtype, self.device)
+        sched = cfg.scheduler_config
+        max_tokens = max([sched.max_num_batched_tokens, *self.graph_plan.prefill_capture_sizes])
+        buffers = InputBuffers(
+            max_num_tokens=max_tokens,
+            max_num_reqs=sched.max_num_seqs,
+            max_blocks_per_seq=math.ceil(cfg.model_config.max_model_len / block_size),
+            block_size=block_size,
+            device=self.device,
+        )
+        self.runner = GPUModelRunner(model, backend, buffers, self.device, cfg.model_config.seed)
+        logger.info("loaded %s: %d layers, dtype %s, attention backend %s, device %s",
+                    self.source.path, self.num_layers, self.dtype, backend.name, self.device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block over all layers."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.config.cache_config.block_size * self.num_kv_heads * self.head_dim * elem \
+            * self.num_layers
+
+    def blocks_needed_at_most(self) -> int:
+        """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` (+1 reserved null block)."""
+        cfg = self.config
+        per_seq = math.ceil(cfg.model_config.max_model_len / cfg.cache_config.block_size)
+        return per_seq * cfg.scheduler_config.max_num_seqs + 1
+
+    # ------------------------------------------------------------- memory
+    def determine_num_blocks(self) -> int:
+        """KV blocks to allocate: ``num_gpu_blocks_override`` if set; on CUDA from a profile run
+        and ``gpu_memory_utilization``; on CPU from ``FD_CPU_KV_CACHE_SPACE`` GiB. Never more than
+        :meth:`blocks_needed_at_most`.
+
+        Raises:
+            RuntimeError: too little memory for one sequence of ``max_model_len``; the message
+                names the knobs to turn.
+        """
+        cfg = self.config
+        if cfg.cache_config.num_gpu_blocks_override is not None:
+            return cfg.cache_config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self.determine_available_memory()
+        else:
+            budget = int(envs.FD_CPU_KV_CACHE_SPACE() * GiB)
+        num_blocks = min(budget // self.bytes_per_block, self.blocks_needed_at_most())
+        min_blocks = math.ceil(cfg.model_config.max_model_len / cfg.cache_config.block_size) + 1
+        if num_blocks < min_blocks:
+            raise RuntimeError(
+                f"the KV cache fits {num_blocks} blocks of {cfg.cache_config.block_size} tokens, but "
+                f"one sequence of max_model_len={cfg.model_config.max_model_len} needs {min_blocks}; "
+                "lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization "
+                "(or FD_CPU_KV_CACHE_SPACE on CPU), or set num_gpu_blocks_override"
+            )
+        return num_blocks
+
+    def determine_available_memory(self) -> int:
+        """Bytes left for the KV cache on CUDA after a profile run at the largest step
+        (``max_num_batched_tokens`` tokens over up to ``max_num_seqs`` requests)."""
+        cfg = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        free, total = torch.cuda.mem_get_info()
+        weights = torch.cuda.memory_allocated()
+        sched = self._profile_step()
+        blocks = sum(len(s.request.block_ids) for s in sched.scheduled) + 1
+        self.initialize_kv_cache(blocks)
+        self.runner.execute_model(sched)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.runner.kv_caches.clear()
+        torch.cuda.empty_cache()
+        profile_kv = blocks * self.bytes_per_block
+        activations = peak - weights - profile_kv
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        budget = int(total * cfg.cache_config.gpu_memory_utilization) - weights - activations \
+            - max(non_torch, 0)
+        logger.info(
+            "memory: total %.2f GiB, weights %.2f GiB, activations (peak) %.2f GiB, "
+            "other %.2f GiB, KV budget %.2f GiB at gpu_memory_utilization=%.2f",
+            total / GiB, weights / GiB, activations / GiB, max(non_torch, 0) / GiB,
+            budget / GiB, cfg.cache_config.gpu_memory_utilization,
+        )
+        return max(budget, 0)
+
+    def _profile_step(self) -> SchedulerOutput:
+        sched_cfg = self.config.scheduler_config
+        num_reqs = min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+        per_req = sched_cfg.max_num_batched_tokens // num_reqs
+        return dummy_step(num_reqs, per_req, self.config.cache_config.block_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one KV tensor per layer of ``num_blocks`` blocks (zeros)."""
+        shape = self.runner.attn_backend.kv_cache_shape(num_blocks)
+        self.runner.kv_caches[:] = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens, %.2f GiB", num_blocks,
+                    self.config.cache_config.block_size, num_blocks * self.bytes_per_block / GiB)
+
+    # ------------------------------------------------------------- warm-up
+    def graph_optimize_and_warm_up_model(self) -> None:
+        """Capture CUDA graphs per the plan (prefill/mixed first, then decode), then reset the
+        sampling RNG so a seed gives the same output with and without graphs."""
+        if self.graph_plan.prefill_graphs or self.graph_plan.decode_graphs:
+            from fastdeploy.model_executor.graph_optimization.capture import capture_all
+
+            capture_all(self)
+        self.runner.reset_sampling_state()
+
+    def execute_model(self, sched: SchedulerOutput):
+        """Run one scheduled step; see :meth:`GPUModelRunner.execute_model`."""
+        return self.runner.execute_model(sched)
