@@ -1,0 +1,46 @@
+"""Full CUDA graphs: a whole decode step (attention included) captured per decode bucket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class FullGraph:
+    """One decode bucket of ``batch_size`` one-token requests, captured as a single graph.
+
+    The attention metadata is bound to the backend's fixed-size buffers for this bucket
+    (``make_graph_decode_metadata``); before each replay the backend re-plans those buffers for the
+    step's real requests, padded to ``batch_size`` (``plan_graph_decode``).
+
+    Args:
+        batch_size: the bucket (requests = tokens).
+        model: the model; ``input_ids``/``positions`` are views of the runner's persistent buffers.
+        graph_metadata: what the backend returned for this bucket.
+    """
+
+    def __init__(self, batch_size: int, model: torch.nn.Module, input_ids: torch.Tensor,
+                 positions: torch.Tensor, graph_metadata: Any) -> None:
+        self.batch_size = batch_size
+        self.model = model
+        self.input_ids = input_ids
+        self.positions = positions
+        self.graph_metadata = graph_metadata
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def run_eager(self, forward_meta) -> torch.Tensor:
+        """The captured computation, eagerly (warm-up)."""
+        return self.model(self.input_ids, self.positions, forward_meta)
+
+    def capture(self, forward_meta, pool, stream: torch.cuda.Stream) -> None:
+        """Capture ``model(input_ids, positions, forward_meta)`` into one graph."""
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = self.model(self.input_ids, self.positions, forward_meta)
+
+    def replay(self) -> torch.Tensor:
+        """Replay; returns ``[batch_size, hidden]`` (a static tensor: consume before next step)."""
+        self.graph.replay()
+        return self.output

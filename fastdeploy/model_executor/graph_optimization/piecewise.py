@@ -1,0 +1,136 @@
+"""Piecewise CUDA graphs: the forward split at attention, each piece captured per token bucket.
+
+A decoder model of ``L`` layers is cut into ``L + 1`` segments around its ``L`` attention calls::
+
+    seg 0     : embed(input_ids) -> layer[0].pre_attention            -> q, k, v, residual
+    attention : backend.forward(q, k, v, kv_cache[0]) (eager)         -> attn
+    seg i     : layer[i-1].post_attention(attn) -> layer[i].pre_attention -> q, k, v, residual
+    ...
+    seg L     : layer[L-1].post_attention(attn) -> final_norm         -> hidden
+
+Once attention runs outside the graphs, what the segments launch depends only on the total token
+count, so one capture per token bucket serves any split of the tokens across requests (one long
+prompt, many short ones, chunks mixed with decode tokens). No ``torch.compile`` is needed at
+``graph_opt_level=0``; levels 1 and 2 compile each segment with Inductor before capture.
+
+Every segment reads and writes the same persistent buffers (``SegmentBuffers``, sized for the
+largest bucket and sliced per bucket), so the graphs of all buckets share their inputs and outputs
+and the memory pool holds only the segments' intermediates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class SegmentBuffers:
+    """Static tensors that segments read and write, sized for ``max_tokens`` rows.
+
+    Attributes (rows ``[:n]`` are used by a bucket of ``n`` tokens):
+        q ``[max_tokens, num_heads*head_dim]``, k/v ``[max_tokens, num_kv_heads*head_dim]``,
+        residual/hidden ``[max_tokens, hidden_size]``, attn ``[max_tokens, num_heads*head_dim]``
+        (the attention output the next segment reads), all of the model dtype.
+    """
+
+    def __init__(self, max_tokens: int, hidden_size: int, q_size: int, kv_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        def buf(width: int) -> torch.Tensor:
+            return torch.zeros(max_tokens, width, dtype=dtype, device=device)
+
+        self.q, self.k, self.v = buf(q_size), buf(kv_size), buf(kv_size)
+        self.residual, self.hidden, self.attn = buf(hidden_size), buf(hidden_size), buf(q_size)
+
+
+def make_segments(model: torch.nn.Module, bufs: SegmentBuffers, input_ids: torch.Tensor,
+                  positions: torch.Tensor) -> list[Callable[[], None]]:
+    """The ``L + 1`` segment callables for a bucket of ``n = input_ids.numel()`` tokens.
+
+    Each callable takes no argument: it reads ``input_ids``/``positions`` (views of the runner's
+    persistent buffers) and the ``bufs`` views, and writes its results into ``bufs`` in place.
+    """
+    n = input_ids.shape[0]
+    q, k, v = bufs.q[:n], bufs.k[:n], bufs.v[:n]
+    residual, hidden, attn = bufs.residual[:n], bufs.hidden[:n], bufs.attn[:n]
+    layers = model.layers
+
+    def store(out: tuple[torch.Tensor, ...]) -> None:
+        q_, k_, v_, res_ = out
+        q.copy_(q_)
+        k.copy_(k_)
+        v.copy_(v_)
+        residual.copy_(res_)
+
+    def first() -> None:
+        store(layers[0].pre_attention(positions, model.embed(input_ids), None))
+
+    def middle(i: int) -> Callable[[], None]:
+        def seg() -> None:
+            h, res = layers[i - 1].post_attention(attn, residual)
+            store(layers[i].pre_attention(positions, h, res))
+
+        return seg
+
+    def last() -> None:
+        h, res = layers[-1].post_attention(attn, residual)
+        hidden.copy_(model.final_norm(h, res))
+
+    return [first, *(middle(i) for i in range(1, len(layers))), last]
+
+
+class PiecewiseGraph:
+    """The captured segments of one token bucket, and their replay.
+
+    Args:
+        num_tokens: the bucket size.
+        segments: from :func:`make_segments` (optionally wrapped by ``torch.compile``).
+        bufs: the shared segment buffers.
+        attn_layers: the model's attention layers in order (their ``layer_idx`` picks the cache).
+    """
+
+    def __init__(self, num_tokens: int, segments: list[Callable[[], None]], bufs: SegmentBuffers,
+                 attn_layers: list) -> None:
+        self.num_tokens = num_tokens
+        self.segments = segments
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        # Views made once, so a replay does no slicing.
+        self.q, self.k, self.v = bufs.q[:num_tokens], bufs.k[:num_tokens], bufs.v[:num_tokens]
+        self.attn = bufs.attn[:num_tokens]
+        self.hidden = bufs.hidden[:num_tokens]
+        self.layer_ids = [a.layer_idx for a in attn_layers]
+
+    def run_eager(self, forward_meta) -> torch.Tensor:
+        """The same computation without graphs (warm-up runs, and a reference in tests)."""
+        self.segments[0]()
+        for i, seg in enumerate(self.segments[1:]):
+            self._attention(i, forward_meta)
+            seg()
+        return self.hidden
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Capture every segment into its own graph, sharing ``pool``."""
+        for seg in self.segments:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                seg()
+            self.graphs.append(graph)
+
+    def replay(self, forward_meta) -> torch.Tensor:
+        """Replay the segments with eager attention between them; returns ``[num_tokens, H]``
+        (a view of the shared hidden buffer: consume it before the next step)."""
+        graphs = self.graphs
+        graphs[0].replay()
+        for i in range(len(graphs) - 1):
+            self._attention(i, forward_meta)
+            graphs[i + 1].replay()
+        return self.hidden
+
+    def _attention(self, i: int, forward_meta) -> None:
+        # The split op: about one kernel launch of Python, writing where segment i+1 reads.
+        out = forward_meta.attn_backend.forward(
+            self.q, self.k, self.v, forward_meta.kv_caches[self.layer_ids[i]],
+            forward_meta.attn_metadata, out=self.attn,
+        )
+        if out.data_ptr() != self.attn.data_ptr():
+            self.attn.copy_(out)
