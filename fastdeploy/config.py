@@ -1,8 +1,9 @@
 """Validated configuration of the engine.
 
-Every part is a dataclass checked once in ``__post_init__``: a bad value raises ``ValueError`` naming
-the field, the value and what is allowed. Values discovered at start-up (KV block counts, eos ids) are
-runtime state and live in runtime objects, never here. Field names follow FastDeploy's public ones.
+Every part is a dataclass checked once in ``__post_init__``: a bad value raises ``ValueError``
+naming the field, the value and what is allowed; :meth:`FDConfig.validate` checks the limits across
+parts. Values discovered at start-up (KV block counts, eos ids) are runtime state and live in
+runtime objects, never here. Field names follow FastDeploy's public ones.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def check(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
 
 
+def is_number(value: Any) -> bool:
+    """True for an int or float that is not a bool (``True`` is not a number of GiB)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
     """Check that ``value`` is an int (not bool) >= ``minimum`` (or None when ``optional``)."""
     if optional and value is None:
@@ -40,7 +46,9 @@ def check_int(name: str, value: Any, minimum: int = 1, optional: bool = False) -
 def unknown_key_error(kind: str, key: str, valid: list[str]) -> ValueError:
     """A ``ValueError`` for an unknown key, listing the close matches (or all valid keys)."""
     close = difflib.get_close_matches(key, valid, n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    hint = (
+        f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    )
     return ValueError(f"unknown {kind} {key!r}; {hint}")
 
 
@@ -59,6 +67,9 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            check(value is None or isinstance(value, str), name, value, "a path, a name or null")
         check(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
         check_int("max_model_len", self.max_model_len, optional=True)
         check_int("seed", self.seed, minimum=0)
@@ -77,21 +88,24 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
         check(
-            isinstance(self.gpu_memory_utilization, (int, float))
-            and 0 < self.gpu_memory_utilization <= 1,
+            is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",
             self.gpu_memory_utilization,
             "a number in (0, 1]",
         )
         check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
         check(
-            isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+            is_number(self.swap_space) and self.swap_space >= 0,
             "swap_space",
             self.swap_space,
             "a number of GiB >= 0",
         )
-        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
-              self.enable_prefix_caching, "true or false")
+        check(
+            isinstance(self.enable_prefix_caching, bool),
+            "enable_prefix_caching",
+            self.enable_prefix_caching,
+            "true or false",
+        )
 
 
 @dataclass
@@ -103,16 +117,21 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
-        check(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", self.splitwise_role,
-              ", ".join(SPLITWISE_ROLES))
+        check(
+            self.splitwise_role in SPLITWISE_ROLES,
+            "splitwise_role",
+            self.splitwise_role,
+            ", ".join(SPLITWISE_ROLES),
+        )
 
 
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits. ``max_num_batched_tokens`` is the per-step token budget.
 
-    ``None`` resolves to 2048 with chunked prefill, else to ``max_model_len`` (a whole prompt must
-    fit one step), when the engine config is created.
+    ``None`` is resolved by ``EngineArgs.create_engine_config``: with chunked prefill to
+    ``max(2048, max_num_seqs)``; without it to ``max(max_model_len, 2048, max_num_seqs)`` (a whole
+    prompt must fit one step). Cross-field limits are checked by :meth:`FDConfig.validate`.
     """
 
     max_num_seqs: int = 256
@@ -122,8 +141,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
-        check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill",
-              self.enable_chunked_prefill, "true or false")
+        check(
+            isinstance(self.enable_chunked_prefill, bool),
+            "enable_chunked_prefill",
+            self.enable_chunked_prefill,
+            "true or false",
+        )
 
 
 @dataclass
@@ -133,8 +156,12 @@ class LoadConfig:
     load_format: str = "auto"
 
     def __post_init__(self) -> None:
-        check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
-              ", ".join(LOAD_FORMATS))
+        check(
+            self.load_format in LOAD_FORMATS,
+            "load_format",
+            self.load_format,
+            ", ".join(LOAD_FORMATS),
+        )
 
 
 @dataclass
@@ -146,6 +173,12 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         check(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+        check(
+            self.attention_backend is None or isinstance(self.attention_backend, str),
+            "attention_backend",
+            self.attention_backend,
+            "a backend name or null",
+        )
 
     @property
     def resolved_device(self) -> str:
@@ -177,30 +210,52 @@ class GraphOptimizationConfig:
     cudagraph_splitting_ops: list[str] = field(default_factory=lambda: ["attention"])
 
     def __post_init__(self) -> None:
-        for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool",
-                     "cudagraph_only_prefill"):
+        for name in (
+            "use_cudagraph",
+            "full_cuda_graph",
+            "use_unique_memory_pool",
+            "cudagraph_only_prefill",
+        ):
             value = getattr(self, name)
             check(isinstance(value, bool), name, value, "true or false")
-        check(self.graph_opt_level in (0, 1, 2) and not isinstance(self.graph_opt_level, bool),
-              "graph_opt_level", self.graph_opt_level, "0, 1 or 2")
+        check(
+            self.graph_opt_level in (0, 1, 2) and not isinstance(self.graph_opt_level, bool),
+            "graph_opt_level",
+            self.graph_opt_level,
+            "0, 1 or 2",
+        )
         check_int("max_capture_shape_prefill", self.max_capture_shape_prefill)
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         for name in ("cudagraph_capture_sizes", "cudagraph_capture_sizes_prefill"):
             sizes = getattr(self, name)
             if sizes is None:
                 continue
-            check(isinstance(sizes, list) and len(sizes) > 0, name, sizes,
-                  "a non-empty list of positive integers or null")
+            check(
+                isinstance(sizes, list) and len(sizes) > 0,
+                name,
+                sizes,
+                "a non-empty list of positive integers or null",
+            )
             for s in sizes:
-                check(isinstance(s, int) and not isinstance(s, bool) and s > 0, name, sizes,
-                      "a list of positive integers (found %r)" % (s,))
-        check(isinstance(self.cudagraph_splitting_ops, list)
-              and all(isinstance(o, str) for o in self.cudagraph_splitting_ops)
-              and self.cudagraph_splitting_ops == ["attention"],
-              "cudagraph_splitting_ops", self.cudagraph_splitting_ops, '["attention"]')
+                check(
+                    isinstance(s, int) and not isinstance(s, bool) and s > 0,
+                    name,
+                    sizes,
+                    f"a list of positive integers (found {s!r})",
+                )
+        check(
+            isinstance(self.cudagraph_splitting_ops, list)
+            and all(isinstance(o, str) for o in self.cudagraph_splitting_ops)
+            and self.cudagraph_splitting_ops == ["attention"],
+            "cudagraph_splitting_ops",
+            self.cudagraph_splitting_ops,
+            '["attention"]',
+        )
 
     @classmethod
-    def from_value(cls, value: GraphOptimizationConfig | dict | str | None) -> GraphOptimizationConfig:
+    def from_value(
+        cls, value: GraphOptimizationConfig | dict | str | None
+    ) -> GraphOptimizationConfig:
         """Build from a dict, a JSON string, ``None`` (defaults) or an instance.
 
         Raises:
@@ -215,10 +270,7 @@ class GraphOptimizationConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"graph_optimization_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"graph_optimization_config={value!r} is invalid; allowed: a JSON object or dict"
-            )
+        check(isinstance(value, dict), "graph_optimization_config", value, "a JSON object or dict")
         names = [f.name for f in dataclasses.fields(cls)]
         for key in value:
             if key not in names:
@@ -228,7 +280,7 @@ class GraphOptimizationConfig:
 
 @dataclass
 class FDConfig:
-    """The whole engine configuration; :class:`fastdeploy.engine.args_utils.EngineArgs` builds it."""
+    """The whole engine configuration, built by :class:`fastdeploy.engine.args_utils.EngineArgs`."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -237,6 +289,60 @@ class FDConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     graph_opt_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; each part has already checked its own fields.
+
+        Limits involving ``max_num_batched_tokens`` or ``max_model_len`` are checked once those are
+        resolved (not None). Explicit capture sizes are never truncated: one above its limit is an
+        error, because a graph larger than any step only costs memory and start-up time.
+
+        Raises:
+            ValueError: naming the field, the value and the limit it breaks.
+        """
+        for f in dataclasses.fields(self):
+            part = getattr(self, f.name)
+            check(isinstance(part, f.default_factory), f.name, part, f.default_factory.__name__)
+        sched, graph = self.scheduler_config, self.graph_opt_config
+        budget, max_model_len = sched.max_num_batched_tokens, self.model_config.max_model_len
+        decode_sizes = graph.cudagraph_capture_sizes
+        if decode_sizes is not None:
+            check(
+                max(decode_sizes) <= sched.max_num_seqs,
+                "graph_optimization_config.cudagraph_capture_sizes",
+                decode_sizes,
+                f"sizes <= max_num_seqs={sched.max_num_seqs} (decode buckets count requests; "
+                f"found {max(decode_sizes)})",
+            )
+        if budget is None:
+            return
+        prefill_sizes = graph.cudagraph_capture_sizes_prefill
+        if prefill_sizes is not None:
+            check(
+                max(prefill_sizes) <= budget,
+                "graph_optimization_config.cudagraph_capture_sizes_prefill",
+                prefill_sizes,
+                f"sizes <= max_num_batched_tokens={budget} (prefill buckets count tokens; "
+                f"found {max(prefill_sizes)})",
+            )
+        check(
+            sched.max_num_seqs <= budget,
+            "max_num_seqs",
+            sched.max_num_seqs,
+            f"<= max_num_batched_tokens={budget} (every running request needs a token of the "
+            "step budget)",
+        )
+        if not sched.enable_chunked_prefill and max_model_len is not None:
+            check(
+                budget >= max_model_len,
+                "max_num_batched_tokens",
+                budget,
+                f">= max_model_len={max_model_len} when enable_chunked_prefill is false (a whole "
+                "prompt must fit one step)",
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-able dict, one key per part (round-trips through :meth:`from_dict`)."""
@@ -250,6 +356,7 @@ class FDConfig:
         for name, values in data.items():
             if name not in parts:
                 raise unknown_key_error("config part", name, list(parts))
+            check(isinstance(values, dict), name, values, "a JSON object of that part's fields")
             part_cls = parts[name].default_factory  # the part's class
             valid = [f.name for f in dataclasses.fields(part_cls)]
             for key in values:

@@ -1,0 +1,279 @@
+"""Engine arguments: one flat dataclass that maps to the CLI and builds the :class:`FDConfig`.
+
+Names follow FastDeploy's flags (``--max-num-seqs``, ``--graph-optimization-config``, ...). This
+module does no model I/O: the engine reads the model's ``max_position_embeddings`` and passes it to
+:meth:`EngineArgs.create_engine_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy import envs
+from fastdeploy.config import (
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    SPLITWISE_ROLES,
+    CacheConfig,
+    DeviceConfig,
+    FDConfig,
+    GraphOptimizationConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check,
+    unknown_key_error,
+)
+
+# Fallback context length when neither the user nor the model's config gives one.
+DEFAULT_MAX_MODEL_LEN = 2048
+# Default per-step token budget: large enough to keep the device busy on prefill, small enough
+# that a long prompt (chunked) does not stall the decode requests batched with it.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _cli(
+    help_text: str, arg_type: Any = None, choices: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """Field metadata for :meth:`EngineArgs.add_cli_args`: help text, argparse type, choices."""
+    return {"help": help_text, "type": arg_type, "choices": choices}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of ``--graph-optimization-config``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set when starting the engine, flat, with FastDeploy's names.
+
+    ``None`` means "resolve at :meth:`create_engine_config`" for ``max_model_len`` and
+    ``max_num_batched_tokens``, and "the default" elsewhere. Field values are validated by the
+    config parts that :meth:`create_engine_config` builds.
+    """
+
+    model: str | None = field(
+        default=None,
+        metadata=_cli(
+            "Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)", str
+        ),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=_cli("tokenizer path or name (default: the model's)", str)
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_cli(
+            "context length in tokens, prompt + output (default: the model's "
+            f"max_position_embeddings, or {DEFAULT_MAX_MODEL_LEN} when unknown)",
+            int,
+        ),
+    )
+    max_num_seqs: int = field(default=256, metadata=_cli("most requests in one step", int))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_cli(
+            f"token budget of one step (default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
+            "max_num_seqs) with chunked prefill, and at least max_model_len without)",
+            int,
+        ),
+    )
+    block_size: int = field(default=64, metadata=_cli("tokens per KV cache block", int))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_cli("share of device memory the engine may use, in (0, 1]", float)
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_cli("use this many KV blocks instead of profiling memory", int)
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_cli("split long prompts across steps")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_cli("reuse KV blocks of shared prompt prefixes")
+    )
+    dtype: str = field(default="auto", metadata=_cli("weight and activation dtype", str, DTYPES))
+    load_format: str = field(default="auto", metadata=_cli("weight format", str, LOAD_FORMATS))
+    seed: int = field(default=0, metadata=_cli("random seed", int))
+    graph_optimization_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_cli(
+            "CUDA graph settings as a JSON object, e.g. "
+            '\'{"use_cudagraph": true, "full_cuda_graph": false}\'',
+            _json_object,
+        ),
+    )
+    splitwise_role: str = field(
+        default="mixed",
+        metadata=_cli("prefill/decode disaggregation role", str, SPLITWISE_ROLES),
+    )
+    swap_space: float = field(
+        default=0, metadata=_cli("host (CPU) KV cache tier in GiB; 0: none", float)
+    )
+    tensor_parallel_size: int = field(default=1, metadata=_cli("tensor parallel ranks", int))
+    device: str = field(default="auto", metadata=_cli("device to run on", str, DEVICES))
+    attention_backend: str | None = field(
+        default=None,
+        metadata=_cli(
+            "attention backend name (default: FD_ATTENTION_BACKEND, else the platform's)", str
+        ),
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments (``LLM(model=..., max_num_seqs=...)``).
+
+        Raises:
+            ValueError: an unknown argument, naming it and the close matches.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                raise unknown_key_error("engine argument", key, names)
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add every field as a ``--kebab-case`` flag (bools also ``--no-...``); returns parser."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            help_text = f"{meta['help']} (default: {f.default})"
+            if isinstance(f.default, bool):
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                group.add_argument(
+                    flag,
+                    type=meta["type"],
+                    choices=meta["choices"],
+                    default=f.default,
+                    help=help_text,
+                )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """Build from parsed arguments; other attributes (``--port``, ...) are ignored."""
+        values = vars(namespace)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    def check_supported(self) -> None:
+        """Refuse what the engine cannot run yet. Called by the engine, not by
+        :meth:`create_engine_config`, so the graph plan of such a deployment can still be resolved
+        and printed (``--print-config``).
+
+        Raises:
+            ValueError: listing every unsupported setting.
+        """
+        problems = []
+        if self.splitwise_role != "mixed":
+            problems.append(
+                f"splitwise_role={self.splitwise_role!r} is not supported yet; allowed: 'mixed'"
+            )
+        if self.swap_space > 0:
+            problems.append(
+                f"swap_space={self.swap_space!r} is not supported yet; allowed: 0 (no host KV tier)"
+            )
+        if self.tensor_parallel_size > 1:
+            problems.append(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported yet; "
+                "allowed: 1"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def resolve_max_model_len(self, hf_max_position_embeddings: int | None) -> int:
+        """``max_model_len``, or the model's maximum, or ``DEFAULT_MAX_MODEL_LEN`` when unknown.
+
+        Raises:
+            ValueError: an explicit value above the model's ``max_position_embeddings``.
+        """
+        if self.max_model_len is None:
+            return hf_max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        if hf_max_position_embeddings is not None:
+            check(
+                self.max_model_len <= hf_max_position_embeddings,
+                "max_model_len",
+                self.max_model_len,
+                f"<= the model's max_position_embeddings={hf_max_position_embeddings}",
+            )
+        return self.max_model_len
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, or its default.
+
+        With chunked prefill the default is ``max(2048, max_num_seqs)``; without it
+        ``max(max_model_len, 2048, max_num_seqs)``, since a whole prompt must then fit one step.
+        An explicit value is kept as given (and checked by :meth:`FDConfig.validate`).
+        """
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return budget if self.enable_chunked_prefill else max(budget, max_model_len)
+
+    def create_engine_config(self, hf_max_position_embeddings: int | None = None) -> FDConfig:
+        """Build and validate the :class:`FDConfig`, resolving ``max_model_len`` and
+        ``max_num_batched_tokens`` (see :meth:`resolve_max_model_len` and
+        :meth:`resolve_max_num_batched_tokens`). ``attention_backend=None`` takes
+        ``FD_ATTENTION_BACKEND``. Does not call :meth:`check_supported`.
+
+        Args:
+            hf_max_position_embeddings: the model's context limit, or None when unknown.
+
+        Raises:
+            ValueError: a field out of range or an inconsistent combination, naming the field,
+                the value and the limit.
+        """
+        # Build the parts from the raw values first, so types are checked before they are used.
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        max_model_len = self.resolve_max_model_len(hf_max_position_embeddings)
+        return FDConfig(
+            model_config=dataclasses.replace(model_config, max_model_len=max_model_len),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                swap_space=self.swap_space,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                splitwise_role=self.splitwise_role,
+            ),
+            scheduler_config=dataclasses.replace(
+                scheduler_config,
+                max_num_batched_tokens=self.resolve_max_num_batched_tokens(max_model_len),
+            ),
+            load_config=LoadConfig(load_format=self.load_format),
+            device_config=DeviceConfig(
+                device=self.device,
+                attention_backend=self.attention_backend or envs.FD_ATTENTION_BACKEND(),
+            ),
+            graph_opt_config=GraphOptimizationConfig.from_value(self.graph_optimization_config),
+        )

@@ -1,0 +1,158 @@
+"""Every ``FD_*`` environment variable of the engine, typed and documented in one place.
+
+Each variable is a module-level :class:`EnvVar`; call it to read ``os.environ`` now (lazily, so a
+test's ``monkeypatch.setenv`` or a launcher's edit made after import is honoured)::
+
+    from fastdeploy import envs
+
+    if envs.FD_DEBUG_CUDAGRAPH_ADDRESSES():
+        ...
+
+Forgetting the call is caught: an :class:`EnvVar` used as a truth value raises ``TypeError``.
+A set but malformed value raises ``ValueError`` naming the variable, the value and what is allowed.
+An empty value counts as unset. To add a variable, add one ``EnvVar`` below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False, any case; else ValueError."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is invalid; allowed: {', '.join(_TRUE + _FALSE)}")
+
+
+def is_false_value(raw: str) -> bool:
+    """True for the spellings of "off" that :func:`parse_bool` accepts (``0``, ``false``, ...)."""
+    return raw.strip().lower() in _FALSE
+
+
+def _parse_str(name: str, raw: str) -> str:
+    return raw
+
+
+def _parse_positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also rejects nan
+        raise ValueError(f"{name}={raw!r} is invalid; allowed: a number > 0")
+    return value
+
+
+def _parse_log_level(name: str, raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"{name}={raw!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: how to parse it, its value when unset, and what it does."""
+
+    name: str
+    type: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+
+    def __call__(self) -> Any:
+        """The current, parsed value; see :meth:`read`."""
+        return self.read()
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"envs.{self.name} is a variable, not its value: call envs.{self.name}()")
+
+    def read(self) -> Any:
+        """The current, parsed value (``default`` when unset or empty).
+
+        Raises:
+            ValueError: the variable is set to a value its type does not accept.
+        """
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        return self.parse(self.name, raw)
+
+
+FD_USE_BLOCK_WISE_CUDA_GRAPH = EnvVar(
+    "FD_USE_BLOCK_WISE_CUDA_GRAPH",
+    "str | None",
+    _parse_str,
+    None,
+    "Legacy switch of the removed block-wise CUDA graphs, kept raw so that unset and '0' differ. "
+    "A true value stops start-up (piecewise graphs replace them: graph_optimization_config "
+    '{"full_cuda_graph": false}, the default); "0" only warns.',
+)
+FD_BLOCK_WISE_CUDA_GRAPH_SIZES = EnvVar(
+    "FD_BLOCK_WISE_CUDA_GRAPH_SIZES",
+    "str | None",
+    _parse_str,
+    None,
+    'Legacy capture sizes of the removed block-wise CUDA graphs, kept raw. Any value but "0" '
+    'stops start-up (use cudagraph_capture_sizes_prefill); "0" only warns.',
+)
+FD_ATTENTION_BACKEND = EnvVar(
+    "FD_ATTENTION_BACKEND",
+    "str | None",
+    _parse_str,
+    None,
+    "Attention backend name used when --attention-backend is not given; None picks the "
+    "platform's default. An unknown name is reported by the backend registry.",
+)
+FD_DEBUG_CUDAGRAPH_ADDRESSES = EnvVar(
+    "FD_DEBUG_CUDAGRAPH_ADDRESSES",
+    "bool",
+    parse_bool,
+    False,
+    "Debug: before every CUDA graph replay, assert that each input tensor's data pointer equals "
+    "the one seen at capture (catches buffers re-allocated instead of copied into).",
+)
+FD_CPU_KV_CACHE_SPACE = EnvVar(
+    "FD_CPU_KV_CACHE_SPACE",
+    "float",
+    _parse_positive_float,
+    4.0,
+    "GiB of host memory given to the KV cache when the model runs on the CPU platform.",
+)
+FD_LOG_LEVEL = EnvVar(
+    "FD_LOG_LEVEL",
+    "str",
+    _parse_log_level,
+    "INFO",
+    "Level of the 'fastdeploy' loggers: " + ", ".join(LOG_LEVELS) + " (case-insensitive).",
+)
+
+_VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
+
+
+def get(name: str) -> Any:
+    """The current value of the variable ``name``.
+
+    Raises:
+        KeyError: ``name`` is not one of the engine's variables (the message lists them).
+        ValueError: the variable is set to a malformed value.
+    """
+    if name not in _VARS:
+        raise KeyError(f"unknown environment variable {name!r}; known: {', '.join(sorted(_VARS))}")
+    return _VARS[name].read()
+
+
+def describe() -> list[EnvVar]:
+    """All variables, sorted by name (for ``--help`` epilogues and documentation)."""
+    return [_VARS[n] for n in sorted(_VARS)]

@@ -1,0 +1,202 @@
+"""EngineArgs: keyword and CLI parsing, resolution of lengths, unsupported settings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+
+
+def parse(*argv: str) -> EngineArgs:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_from_kwargs_unknown_argument_names_close_match():
+    with pytest.raises(ValueError) as err:
+        EngineArgs.from_kwargs(max_num_seq=8)
+    message = str(err.value)
+    assert "unknown engine argument 'max_num_seq'" in message
+    assert "did you mean max_num_seqs" in message
+
+
+def test_from_kwargs_known_arguments():
+    args = EngineArgs.from_kwargs(model="m.gguf", max_num_seqs=8)
+    assert args.model == "m.gguf" and args.max_num_seqs == 8
+
+
+def test_cli_defaults_equal_dataclass_defaults():
+    assert parse() == EngineArgs()
+
+
+def test_cli_every_field_has_a_flag_with_help():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in actions, f.name
+        assert actions[f.name].option_strings[0] == "--" + f.name.replace("_", "-")
+        assert actions[f.name].help
+
+
+GRAPH_JSON = '{"full_cuda_graph": true, "cudagraph_capture_sizes": [1, 8]}'
+
+
+def test_cli_round_trip():
+    args = parse(
+        "--model", "/models/qwen",
+        "--tokenizer", "/models/tok",
+        "--max-model-len", "4096",
+        "--max-num-seqs", "32",
+        "--max-num-batched-tokens", "8192",
+        "--block-size", "16",
+        "--gpu-memory-utilization", "0.8",
+        "--num-gpu-blocks-override", "100",
+        "--no-enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--dtype", "bfloat16",
+        "--load-format", "safetensors",
+        "--seed", "7",
+        "--graph-optimization-config", GRAPH_JSON,
+        "--splitwise-role", "prefill",
+        "--swap-space", "2",
+        "--tensor-parallel-size", "2",
+        "--device", "cuda",
+        "--attention-backend", "flashinfer",
+    )  # fmt: skip
+    assert args == EngineArgs(
+        model="/models/qwen",
+        tokenizer="/models/tok",
+        max_model_len=4096,
+        max_num_seqs=32,
+        max_num_batched_tokens=8192,
+        block_size=16,
+        gpu_memory_utilization=0.8,
+        num_gpu_blocks_override=100,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        dtype="bfloat16",
+        load_format="safetensors",
+        seed=7,
+        graph_optimization_config={"full_cuda_graph": True, "cudagraph_capture_sizes": [1, 8]},
+        splitwise_role="prefill",
+        swap_space=2.0,
+        tensor_parallel_size=2,
+        device="cuda",
+        attention_backend="flashinfer",
+    )
+    config = args.create_engine_config(hf_max_position_embeddings=8192)
+    assert config.graph_opt_config.full_cuda_graph
+    assert config.scheduler_config.max_num_batched_tokens == 8192
+    assert not config.scheduler_config.enable_chunked_prefill
+
+
+def test_cli_bool_flags_both_ways():
+    assert parse("--enable-chunked-prefill").enable_chunked_prefill is True
+    assert parse("--no-enable-chunked-prefill").enable_chunked_prefill is False
+
+
+def test_cli_ignores_other_namespace_attributes():
+    namespace = argparse.Namespace(port=8000, max_num_seqs=4)
+    assert EngineArgs.from_cli_args(namespace) == EngineArgs(max_num_seqs=4)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--graph-optimization-config", "{not json}"],
+        ["--graph-optimization-config", "[1, 2]"],
+        ["--dtype", "fp8"],
+        ["--max-num-seqs", "many"],
+    ],
+)
+def test_cli_rejects_bad_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_graph_config_unknown_key_via_cli():
+    args = parse("--graph-optimization-config", '{"full_cudagraph": true}')
+    with pytest.raises(ValueError, match=r"'full_cudagraph'; did you mean full_cuda_graph"):
+        args.create_engine_config()
+
+
+# ------------------------------------------------------------------ resolution
+def test_max_model_len_resolution():
+    assert EngineArgs().create_engine_config(8192).model_config.max_model_len == 8192
+    assert EngineArgs().create_engine_config(None).model_config.max_model_len == 2048
+    config = EngineArgs(max_model_len=1024).create_engine_config(8192)
+    assert config.model_config.max_model_len == 1024
+
+
+def test_max_model_len_above_model_maximum_is_an_error():
+    with pytest.raises(ValueError) as err:
+        EngineArgs(max_model_len=9000).create_engine_config(8192)
+    message = str(err.value)
+    assert "max_model_len=9000 is invalid" in message
+    assert "max_position_embeddings=8192" in message
+
+
+def test_max_model_len_wrong_type_is_reported_before_use():
+    with pytest.raises(ValueError, match=r"max_model_len='4k' is invalid"):
+        EngineArgs(max_model_len="4k").create_engine_config(8192)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "hf_max", "expected"),
+    [
+        ({}, 8192, 2048),  # chunked prefill: 2048
+        ({"max_num_seqs": 4096}, 8192, 4096),  # ... but at least max_num_seqs
+        ({"enable_chunked_prefill": False}, 8192, 8192),  # whole prompt in one step
+        ({"enable_chunked_prefill": False}, 512, 2048),  # never below 2048
+        ({"max_num_batched_tokens": 1024}, 8192, 1024),  # explicit value kept
+    ],
+)
+def test_max_num_batched_tokens_resolution(kwargs, hf_max, expected):
+    config = EngineArgs(**kwargs).create_engine_config(hf_max)
+    assert config.scheduler_config.max_num_batched_tokens == expected
+
+
+def test_explicit_budget_below_max_model_len_without_chunking_is_an_error():
+    args = EngineArgs(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=1024 .* max_model_len=4096"):
+        args.create_engine_config(4096)
+
+
+def test_attention_backend_falls_back_to_env(monkeypatch):
+    monkeypatch.setenv("FD_ATTENTION_BACKEND", "torch_native")
+    assert EngineArgs().create_engine_config().device_config.attention_backend == "torch_native"
+    config = EngineArgs(attention_backend="flashinfer").create_engine_config()
+    assert config.device_config.attention_backend == "flashinfer"
+
+
+# ------------------------------------------------------------------ unsupported settings
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"splitwise_role": "prefill"}, "splitwise_role='prefill' is not supported yet"),
+        ({"splitwise_role": "decode"}, "splitwise_role='decode' is not supported yet"),
+        ({"swap_space": 4}, "swap_space=4 is not supported yet"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
+    ],
+)
+def test_check_supported(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs).check_supported()
+    EngineArgs().check_supported()
+
+
+def test_unsupported_config_still_resolves_a_plan(monkeypatch):
+    """``--print-config`` must show a prefill node's plan: create_engine_config does not refuse."""
+    monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
+    monkeypatch.delenv("FD_BLOCK_WISE_CUDA_GRAPH_SIZES", raising=False)
+    args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2)
+    plan = resolve_graph_plan(args.create_engine_config(8192), "cuda")
+    assert not plan.decode_graphs and not plan.prefill_graphs
+    assert any("swap_space=4 GiB" in r for r in plan.reasons)
+    plan = resolve_graph_plan(EngineArgs(splitwise_role="prefill").create_engine_config(), "cuda")
+    assert plan.prefill_graphs and not plan.decode_graphs

@@ -1,0 +1,238 @@
+"""The graph policy: one test per rule of the specification, plus the block-wise env vars."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from fastdeploy.config import (
+    CacheConfig,
+    FDConfig,
+    GraphOptimizationConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from fastdeploy.model_executor.graph_optimization.capture_sizes import (
+    default_decode_sizes,
+    default_prefill_sizes,
+)
+from fastdeploy.model_executor.graph_optimization.policy import (
+    GraphPlan,
+    check_block_wise_env,
+    resolve_graph_plan,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_block_wise_env(monkeypatch):
+    monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
+    monkeypatch.delenv("FD_BLOCK_WISE_CUDA_GRAPH_SIZES", raising=False)
+
+
+def make_config(
+    *,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    splitwise_role: str = "mixed",
+    swap_space: float = 0,
+    **graph: object,
+) -> FDConfig:
+    return FDConfig(
+        cache_config=CacheConfig(swap_space=swap_space),
+        parallel_config=ParallelConfig(splitwise_role=splitwise_role),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        graph_opt_config=GraphOptimizationConfig(**graph),
+    )
+
+
+def has_reason(plan: GraphPlan, *fragments: str) -> bool:
+    return any(all(f in r for f in fragments) for r in plan.reasons)
+
+
+def test_default_cuda_plan_turns_both_on():
+    plan = resolve_graph_plan(make_config(), "cuda")
+    assert plan.decode_graphs and plan.prefill_graphs
+    assert plan.decode_capture_sizes == default_decode_sizes(64)
+    assert plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
+    assert plan.reasons == []
+    assert not plan.full_cuda_graph and plan.graph_opt_level == 0
+
+
+def test_rule1_cpu_platform_turns_all_off():
+    plan = resolve_graph_plan(make_config(), "cpu")
+    assert not plan.decode_graphs and not plan.prefill_graphs
+    assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
+    assert has_reason(plan, "all graphs off", "'cpu'", "cannot capture")
+
+
+def test_unknown_platform_is_an_error():
+    with pytest.raises(ValueError, match=r"platform='tpu' is invalid; allowed: cuda, cpu"):
+        resolve_graph_plan(make_config(), "tpu")
+
+
+def test_rule2_use_cudagraph_false_turns_all_off():
+    plan = resolve_graph_plan(make_config(use_cudagraph=False), "cuda")
+    assert not plan.decode_graphs and not plan.prefill_graphs
+    assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
+    assert has_reason(plan, "all graphs off", "use_cudagraph=false")
+
+
+def test_rule3_full_cuda_graph_turns_prefill_off():
+    plan = resolve_graph_plan(make_config(full_cuda_graph=True), "cuda")
+    assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
+    assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
+    assert plan.full_cuda_graph
+    assert has_reason(plan, "prefill graphs off", "full_cuda_graph=true")
+
+
+def test_rule4_prefill_node_decode_off_prefill_on():
+    plan = resolve_graph_plan(make_config(splitwise_role="prefill"), "cuda")
+    assert not plan.decode_graphs and plan.decode_capture_sizes == []
+    assert plan.prefill_graphs and plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
+    assert has_reason(plan, "decode graphs off", "splitwise_role=prefill")
+
+
+def test_rule4_prefill_node_with_full_cuda_graph_has_nothing_to_capture():
+    plan = resolve_graph_plan(make_config(splitwise_role="prefill", full_cuda_graph=True), "cuda")
+    assert not plan.any_graphs
+    assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
+    assert has_reason(plan, "nothing to capture", "prefill node", "full_cuda_graph=true")
+
+
+def test_rule5_decode_node_turns_prefill_off():
+    plan = resolve_graph_plan(make_config(splitwise_role="decode"), "cuda")
+    assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
+    assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
+    assert has_reason(plan, "prefill graphs off", "splitwise_role=decode")
+
+
+def test_rule6_cudagraph_only_prefill_turns_decode_off():
+    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True), "cuda")
+    assert not plan.decode_graphs and plan.decode_capture_sizes == []
+    assert plan.prefill_graphs and plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
+    assert has_reason(plan, "decode graphs off", "cudagraph_only_prefill=true")
+
+
+def test_rule7_swap_space_turns_prefill_off_decode_unaffected():
+    plan = resolve_graph_plan(make_config(swap_space=4), "cuda")
+    assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
+    assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
+    assert has_reason(plan, "prefill graphs off", "host KV tier", "swap_space=4 GiB", "layer by")
+
+
+def test_rule7_applies_to_prefill_node_path():
+    """The combination the upstream change missed: prefill node + swap space + piecewise."""
+    config = make_config(splitwise_role="prefill", swap_space=2.5, full_cuda_graph=False)
+    plan = resolve_graph_plan(config, "cuda")
+    assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
+    assert not plan.decode_graphs
+    assert has_reason(plan, "prefill graphs off", "host KV tier", "swap_space=2.5 GiB")
+    assert has_reason(plan, "nothing to capture")
+
+
+def test_rule7_applies_to_cudagraph_only_prefill_path():
+    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True, swap_space=1), "cuda")
+    assert not plan.any_graphs
+    assert has_reason(plan, "prefill graphs off", "swap_space=1 GiB")
+
+
+def test_rule8_default_ladders_capped():
+    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50), "cuda")
+    assert plan.decode_capture_sizes == [20, 16, 8, 4, 2, 1]
+    assert plan.prefill_capture_sizes == [50, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+    big = make_config(max_num_seqs=1024, max_num_batched_tokens=16384)
+    plan = resolve_graph_plan(big, "cuda")
+    assert max(plan.decode_capture_sizes) == 512  # min(512, max_num_seqs)
+    assert max(plan.prefill_capture_sizes) == 8192  # min(max_capture_shape_prefill, budget)
+    capped = make_config(max_num_batched_tokens=4096, max_capture_shape_prefill=1000)
+    assert max(resolve_graph_plan(capped, "cuda").prefill_capture_sizes) == 1000
+
+
+def test_rule8_explicit_sizes_deduplicated_sorted_not_truncated():
+    config = make_config(
+        cudagraph_capture_sizes=[1, 64, 8, 8], cudagraph_capture_sizes_prefill=[16, 512, 3]
+    )
+    plan = resolve_graph_plan(config, "cuda")
+    assert plan.decode_capture_sizes == [64, 8, 1]
+    assert plan.prefill_capture_sizes == [512, 16, 3]
+
+
+def test_rule8_explicit_sizes_above_limits_are_errors_even_after_edit():
+    config = make_config()
+    config.graph_opt_config.cudagraph_capture_sizes = [128]  # edited after validation
+    with pytest.raises(ValueError, match=r"cudagraph_capture_sizes=\[128\].*max_num_seqs=64"):
+        resolve_graph_plan(config, "cuda")
+
+
+def test_unresolved_budget_is_an_error_when_prefill_graphs_are_on():
+    config = FDConfig()  # max_num_batched_tokens=None: not built by EngineArgs
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=None is invalid.*resolved"):
+        resolve_graph_plan(config, "cuda")
+    assert resolve_graph_plan(config, "cpu").reasons  # nothing needs the budget off CUDA
+
+
+def test_graph_opt_level_is_carried():
+    plan = resolve_graph_plan(make_config(graph_opt_level=2), "cuda")
+    assert plan.graph_opt_level == 2
+
+
+def test_plan_round_trips_through_json():
+    plan = resolve_graph_plan(make_config(swap_space=4), "cuda")
+    again = GraphPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    assert "decode graphs (full): on" in again.describe()
+
+
+def test_plan_from_dict_rejects_unknown_key_and_inconsistency():
+    data = resolve_graph_plan(make_config(), "cuda").to_dict()
+    with pytest.raises(ValueError, match=r"unknown graph plan key 'decode_graph'.*decode_graphs"):
+        GraphPlan.from_dict({**data, "decode_graph": True})
+    with pytest.raises(ValueError, match=r"decode_capture_sizes=\[\] is invalid"):
+        GraphPlan.from_dict({**data, "decode_capture_sizes": []})
+    with pytest.raises(ValueError, match=r"prefill_capture_sizes=\[1, 2\] is invalid.*largest"):
+        GraphPlan.from_dict({**data, "prefill_capture_sizes": [1, 2]})
+
+
+def test_plan_buckets():
+    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50), "cuda")
+    assert plan.decode_bucket(3) == 4
+    assert plan.decode_bucket(21) is None
+    assert plan.prefill_bucket(49) == 50
+    assert plan.prefill_bucket(51) is None
+
+
+# ---------------------------------------------------------------- block-wise environment variables
+BLOCK_WISE = ["FD_USE_BLOCK_WISE_CUDA_GRAPH", "FD_BLOCK_WISE_CUDA_GRAPH_SIZES"]
+
+
+@pytest.mark.parametrize("name", BLOCK_WISE)
+@pytest.mark.parametrize("value", ["1", "true", "1,2,4"])
+def test_block_wise_true_value_stops_startup(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as err:
+        check_block_wise_env()
+    message = str(err.value)
+    assert name in message and "block-wise CUDA graphs are gone" in message
+    assert '{"full_cuda_graph": false}' in message
+    with pytest.raises(ValueError, match="block-wise"):  # the policy calls it
+        resolve_graph_plan(make_config(), "cuda")
+
+
+@pytest.mark.parametrize("name", BLOCK_WISE)
+def test_block_wise_zero_only_warns(monkeypatch, caplog, name):
+    monkeypatch.setenv(name, "0")
+    with caplog.at_level(logging.WARNING):
+        plan = resolve_graph_plan(make_config(), "cuda")
+    assert plan.decode_graphs and plan.prefill_graphs
+    assert any(name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_block_wise_unset_or_empty_is_silent(monkeypatch, caplog):
+    monkeypatch.setenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", "")
+    with caplog.at_level(logging.WARNING):
+        check_block_wise_env()
+    assert caplog.records == []
