@@ -1,0 +1,239 @@
+"""KV cache manager: block tables of requests over a :class:`BlockPool`, with prefix caching.
+
+Pure host logic. A request's block table is ``request.block_ids``: block ``i`` holds the KV of token
+positions ``[i * block_size, (i + 1) * block_size)``.
+
+Memory policy:
+  * Blocks are allocated on demand, as the scheduler schedules tokens (:meth:`allocate_slots`), all
+    or nothing per call.
+  * With prefix caching, a FULL block whose KV has been computed is registered under its hash chain
+    (:meth:`cache_full_blocks`). The cache keeps one pool reference on it, so when its last request
+    frees it, it stays reusable (*evictable*) until the pool runs out of free blocks; evictable
+    blocks are then evicted least recently released first (LRU), the tail blocks of a request
+    before its head blocks (those are the likelier shared prefixes).
+  * A cached block is never written again: admission caps the cached prefix to a block-aligned
+    count below the request's length (:meth:`get_computed_blocks`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from fastdeploy.cache_manager.block_pool import BlockPool
+from fastdeploy.cache_manager.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
+from fastdeploy.engine.request import Request
+
+
+class KVCacheManager:
+    """Block tables of requests over a pool of ``num_blocks`` KV blocks of ``block_size`` tokens.
+
+    Block ``0`` is the pool's reserved null block, so ``num_blocks - 1`` blocks are usable.
+
+    Raises:
+        ValueError: ``num_blocks < 2`` or ``block_size < 1``.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid; allowed: an integer >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # Per request id: chain hashes of its full blocks computed so far (lazily extended), and
+        # how many of its leading blocks were already offered to the prefix cache.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_offered_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks, the null block included."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that requests can use: ``num_blocks - 1``."""
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to :meth:`allocate_slots`: free blocks plus evictable cached blocks."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        return self.block_pool.num_free_blocks + evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, in [0, 1] (evictable ones count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> int:
+        """Attach the longest prefix-cached run of the request's full blocks; return its tokens.
+
+        Called once on admission (also on re-admission after preemption, when the lookup covers
+        the generated tokens too), with no blocks attached. Hit blocks are shared (one more pool
+        reference each) and appended to ``request.block_ids``; ``request.num_cached_tokens`` and
+        ``request.num_computed_tokens`` are set to the number of cached tokens.
+
+        The cached count is capped to a multiple of ``block_size`` strictly below
+        ``request.num_tokens``: at least one token must be computed so a logit can be sampled, and
+        recomputing a token inside a shared block would overwrite it.
+
+        Returns 0 when prefix caching is off.
+
+        Raises:
+            ValueError: the request already holds blocks or computed tokens.
+        """
+        if request.block_ids or request.num_computed_tokens:
+            raise ValueError(
+                f"request {request.request_id} already holds {len(request.block_ids)} blocks and "
+                f"{request.num_computed_tokens} computed tokens; free it before a lookup"
+            )
+        request.num_cached_tokens = 0
+        if self.prefix_cache is None or request.num_tokens == 0:
+            return 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._hashes(request, max_hit_blocks)[:max_hit_blocks]:
+            block_id = self.prefix_cache.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.block_pool.incref(hits)
+        for block_id in hits:
+            self.prefix_cache.acquire(block_id)
+        request.block_ids = hits
+        self._num_offered_blocks[request.request_id] = len(hits)
+        num_cached = len(hits) * self.block_size
+        request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        return num_cached
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        Evicts LRU cached blocks when the free list is short. Returns False and changes nothing
+        when even that is not enough.
+
+        Raises:
+            ValueError: ``num_new_tokens < 0``.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} is invalid; allowed: >= 0")
+        total = request.num_computed_tokens + num_new_tokens
+        num_needed = self.num_blocks_for(total) - len(request.block_ids)
+        if num_needed <= 0:
+            return True
+        if num_needed > self.num_free_blocks:
+            return False
+        shortfall = num_needed - self.block_pool.num_free_blocks
+        if shortfall > 0:
+            self.block_pool.free(self.prefix_cache.evict(shortfall))
+        request.block_ids.extend(self.block_pool.allocate(num_needed))
+        return True
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks within its first ``num_computed_tokens`` tokens.
+
+        Call after a step wrote their KV (prompt and generated tokens alike). Blocks already
+        offered are skipped; a block whose prefix another block already caches stays private.
+        No-op when prefix caching is off.
+
+        Raises:
+            ValueError: ``num_computed_tokens`` exceeds the request's tokens or its block table.
+        """
+        if self.prefix_cache is None:
+            return
+        if num_computed_tokens > request.num_tokens:
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} exceeds request "
+                f"{request.request_id}'s {request.num_tokens} tokens"
+            )
+        num_full = num_computed_tokens // self.block_size
+        if num_full > len(request.block_ids):
+            raise ValueError(
+                f"request {request.request_id} has {len(request.block_ids)} blocks, fewer than "
+                f"the {num_full} full blocks of {num_computed_tokens} computed tokens"
+            )
+        start = self._num_offered_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(start, num_full):
+            block_id = request.block_ids[i]
+            if self.prefix_cache.insert(hashes[i], block_id):
+                self.block_pool.incref([block_id])
+        self._num_offered_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's reference on each of its blocks and clear ``request.block_ids``.
+
+        Blocks go back to the pool, or, when cached, become evictable (tail blocks first, so they
+        are evicted before the head blocks). Token counters are left to the caller.
+        """
+        for block_id in reversed(request.block_ids):
+            self.block_pool.free([block_id])
+            if (
+                self.prefix_cache is not None
+                and block_id in self.prefix_cache
+                and self.block_pool.ref_count(block_id) == 1
+            ):
+                self.prefix_cache.release(block_id)
+        request.block_ids = []
+        self._block_hashes.pop(request.request_id, None)
+        self._num_offered_blocks.pop(request.request_id, None)
+
+    def check_integrity(self, held_block_ids: Iterable[Sequence[int]] | None = None) -> None:
+        """Check the pool, the prefix cache and their agreement.
+
+        With ``held_block_ids`` (the block tables of every request holding blocks), also check that
+        each block's reference count equals its holders plus one if cached, so the used blocks are
+        exactly the held ones plus the cached ones (no leak, no dangling table).
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        pool = self.block_pool
+        pool.check_integrity()
+        cached: set[int] = set()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            cached = self.prefix_cache.cached_block_ids()
+            for block_id in cached:
+                if pool.ref_count(block_id) < 1:
+                    raise AssertionError(f"cached block {block_id} is free in the pool")
+            evictable = set(self.prefix_cache.evictable_block_ids())
+            unused = {b for b in cached if pool.ref_count(b) == 1}
+            if evictable != unused:
+                raise AssertionError(
+                    f"evictable blocks {sorted(evictable)[:8]} != cached blocks no request uses "
+                    f"{sorted(unused)[:8]}"
+                )
+        if held_block_ids is None:
+            return
+        holders = Counter(b for table in held_block_ids for b in table)
+        if 0 in holders:
+            raise AssertionError("a block table holds the null block 0")
+        for block_id in range(1, pool.num_blocks):
+            expected = holders[block_id] + (block_id in cached)
+            if pool.ref_count(block_id) != expected:
+                raise AssertionError(
+                    f"block {block_id}: ref count {pool.ref_count(block_id)} != "
+                    f"{holders[block_id]} holding requests + {int(block_id in cached)} prefix cache"
+                )
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Chain hashes of at least the request's first ``num_blocks`` full blocks (if known)."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(
+                hash_full_blocks(request.all_token_ids, self.block_size, parent, start=len(hashes))
+            )
+        return hashes

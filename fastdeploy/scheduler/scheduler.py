@@ -1,0 +1,347 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step (:meth:`Scheduler.schedule`) spends at most ``max_num_batched_tokens`` tokens on at most
+``max_num_seqs`` running requests:
+
+1. Running requests first, in admission order. Each gets ``num_tokens - num_computed_tokens``
+   tokens (1 for a decode, the rest of its prompt for one mid chunked prefill), capped by the
+   remaining budget.
+2. Then waiting requests, first come first served (FIFO, no overtaking), while the budget,
+   ``max_num_seqs`` and free KV blocks allow; the prefix cache is looked up on admission.
+
+Memory policy:
+  * Admission: a waiting request is admitted only when the KV blocks for its scheduled tokens can
+    be allocated now (counting evictable prefix-cached blocks as free); otherwise it and everyone
+    behind it wait. No waiting request is admitted in a step that had to preempt.
+  * Preemption by recompute: when a running request cannot get a block, the most recently admitted
+    running request is preempted: its blocks are freed (full blocks may survive in the prefix
+    cache), its counters reset, and it goes to the FRONT of the waiting queue. On re-admission it
+    re-prefills its prompt plus the tokens it had generated (no swapping to host memory).
+  * If the one request left running cannot get a block, the KV cache is smaller than that request
+    needs: :class:`InsufficientKVCacheError` is raised (the engine should abort that request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
+from fastdeploy.config import SchedulerConfig
+from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
+
+DEFAULT_CHUNKED_BUDGET = 2048  # tokens; FastDeploy's default with chunked prefill
+
+
+class InsufficientKVCacheError(RuntimeError):
+    """A request cannot get a KV block even though every other running request was preempted.
+
+    ``request_id`` names it; the scheduler's state stays consistent (the request is still
+    running and holds its blocks), so the engine can abort it and go on.
+    """
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
+
+    Args:
+        scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens`` (tokens per step; ``None``
+            resolves to 2048 with chunked prefill, else to ``max_model_len``) and
+            ``enable_chunked_prefill``.
+        kv_cache_manager: owns the KV blocks.
+        max_model_len: most tokens (prompt + output) of one request.
+
+    Raises:
+        ValueError: ``max_model_len < 1``, or chunked prefill off and a token budget below
+            ``max_model_len`` (a long prompt could never be scheduled).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(
+                f"max_model_len={max_model_len!r} is invalid; allowed: an integer >= 1"
+            )
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        budget = scheduler_config.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is invalid with enable_chunked_prefill=False; "
+                f"allowed: >= max_model_len ({max_model_len}), so a whole prompt fits one step"
+            )
+        self.max_num_batched_tokens = budget
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._unreported_preempted: list[Request] = []  # preempted by a call that raised
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and holding KV blocks."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission, preempted ones included."""
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The waiting or running request with this id, or ``None``."""
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, more than ``max_model_len`` tokens, or a
+                request that is not fresh (not WAITING, or holding blocks or computed tokens).
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already scheduled")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r} has {request.num_tokens} tokens; allowed: at most "
+                f"max_model_len={self.max_model_len}"
+            )
+        fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
+        if not fresh or request.block_ids:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.value})")
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting or running request: free its blocks now, status FINISHED_ABORTED.
+
+        Its id is reported in the next output's ``finished_request_ids``. Returns False when no
+        unfinished request has this id.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._remove(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """The engine decided ``request`` stopped: free its blocks and set ``status``.
+
+        Its id is reported in the next output's ``finished_request_ids``.
+
+        Raises:
+            ValueError: ``status`` is not a finished state, or the request is not scheduled here.
+        """
+        if not status.finished:
+            raise ValueError(f"status={status} is invalid; allowed: a finished status")
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id!r} is not waiting or running")
+        self._remove(request, status)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV blocks.
+
+        Returns running requests first, then newly admitted (or resumed) ones; ``preempted``
+        lists the requests preempted in this call; ``finished_request_ids`` those that finished
+        or were aborted since the last call.
+
+        Raises:
+            InsufficientKVCacheError: the only running request cannot get a block.
+            RuntimeError: a running request has no token left to compute (a missed update).
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        i = 0
+        try:
+            while i < len(self.running) and budget > 0:
+                request = self.running[i]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if num_new <= 0:
+                    raise RuntimeError(
+                        f"running request {request.request_id!r} has no token to compute; was "
+                        "update_from_output skipped or finish_request not called?"
+                    )
+                if not self._allocate_or_preempt(request, num_new, preempted):
+                    break  # it preempted itself: it was the last running request
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+        except Exception:
+            self._unreported_preempted.extend(preempted)  # report them with the next output
+            raise
+        if not preempted:
+            scheduled.extend(self._admit_waiting(budget))
+        preempted = self._unreported_preempted + preempted
+        self._unreported_preempted = []
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled, preempted=preempted, finished_request_ids=finished
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Apply a finished step: advance counters, cache full blocks, append sampled tokens.
+
+        Args:
+            output: what :meth:`schedule` returned for the step.
+            sampled_token_ids: request id -> token id, exactly for the scheduled requests whose
+                ``samples`` is true (requests aborted since may be present or not).
+
+        Returns the requests that got a new token, in scheduled order; the engine checks their stop
+        conditions and calls :meth:`finish_request`. Requests aborted since :meth:`schedule` are
+        skipped.
+
+        Raises:
+            ValueError: a sampling request has no token, a token is given for a request that does
+                not sample, or the output was already applied (nothing is changed then).
+        """
+        live = [s for s in output.scheduled if s.request.status == RequestStatus.RUNNING]
+        for s in live:
+            if s.request.num_computed_tokens != s.num_computed_tokens:
+                raise ValueError(
+                    f"request {s.request.request_id!r} has {s.request.num_computed_tokens} "
+                    f"computed tokens, the output expects {s.num_computed_tokens}: applied twice?"
+                )
+        samplers = {s.request.request_id for s in output.scheduled if s.samples}
+        sampling_ids = [s.request.request_id for s in live if s.samples]
+        missing = [rid for rid in sampling_ids if rid not in sampled_token_ids]
+        if missing:
+            raise ValueError(f"no sampled token for requests {missing[:8]}")
+        unexpected = sorted(set(sampled_token_ids) - samplers)
+        if unexpected:
+            raise ValueError(f"sampled tokens for requests that do not sample: {unexpected[:8]}")
+        got_token = []
+        for s in live:
+            request = s.request
+            samples = s.samples  # read before the token is appended
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+            if samples:
+                request.output_token_ids.append(sampled_token_ids[request.request_id])
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
+                got_token.append(request)
+        return got_token
+
+    def check_integrity(self) -> None:
+        """Check the KV cache manager, and that running requests hold exactly the used blocks
+        that the prefix cache does not; waiting requests hold none.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        self.kv_cache_manager.check_integrity([r.block_ids for r in self.running])
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}")
+        for r in self.waiting:
+            if r.block_ids or r.num_computed_tokens or r.status != RequestStatus.WAITING:
+                raise AssertionError(f"waiting request {r.request_id!r} holds blocks or tokens")
+        block_size = self.kv_cache_manager.block_size
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING:
+                raise AssertionError(f"running request {r.request_id!r} has status {r.status}")
+            if len(r.block_ids) * block_size < r.num_computed_tokens:
+                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its KV")
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
+            raise AssertionError("waiting + running differ from the known unfinished requests")
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, preempted: list[Request]
+    ) -> bool:
+        """Allocate blocks for ``request``, preempting the newest running requests as needed.
+
+        Returns False when ``request`` itself had to be preempted (it was the newest).
+        """
+        kv = self.kv_cache_manager
+        while not kv.allocate_slots(request, num_new_tokens):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                need = kv.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+                raise InsufficientKVCacheError(
+                    request.request_id,
+                    f"request {request.request_id!r} needs {need} KV blocks of {kv.block_size} "
+                    f"tokens but only {len(request.block_ids) + kv.num_free_blocks} of "
+                    f"{kv.num_usable_blocks} are available with nothing else running; raise "
+                    "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len",
+                )
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, reset counters, requeue at the front."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+        """Admit waiting requests FIFO within ``budget`` tokens, ``max_num_seqs`` and the blocks."""
+        kv = self.kv_cache_manager
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            kv.get_computed_blocks(request)  # sets num_cached_tokens and num_computed_tokens
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill and budget < self.max_num_batched_tokens:
+                    self._undo_admission(request)  # wait for a step with room for the whole prompt
+                    break
+                # A chunk of the budget. Without chunked prefill only a request longer than an
+                # empty step gets here (grown past max_model_len): chunk it rather than starve it.
+                num_new = budget
+            if not kv.allocate_slots(request, num_new):
+                self._undo_admission(request)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return admitted
+
+    def _undo_admission(self, request: Request) -> None:
+        """Give back the prefix-cache hits taken by a lookup for a request that stays waiting."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues, free its blocks and record it as finished."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+        if request.finish_time is None:
+            request.finish_time = time.monotonic()
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
