@@ -130,6 +130,10 @@ class EngineArgs:
             "attention backend name (default: FD_ATTENTION_BACKEND, else the platform's)", str
         ),
     )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=_cli("load no tokenizer: prompts are token ids and outputs carry no text"),
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

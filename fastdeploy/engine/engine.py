@@ -59,9 +59,11 @@ class LLMEngine:
         engine_args.check_supported()
         self.config, self.graph_plan, self.source = self.resolve_config(engine_args, with_source=True)
         logger.info("graph plan: %s", self.graph_plan.to_dict())
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.source.tokenizer_path, **self.source.tokenizer_kwargs
-        )
+        self.tokenizer = None
+        if not engine_args.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                self.source.tokenizer_path, **self.source.tokenizer_kwargs
+            )
         self.max_model_len = self.config.model_config.max_model_len
         self.vocab_size = self.source.hf_config.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -93,7 +95,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> set[int]:
         ids = set()
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         cfg_eos = getattr(self.source.hf_config, "eos_token_id", None)
         if isinstance(cfg_eos, int):
@@ -145,7 +147,17 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
         """Schedule, run and post-process one step; returns this step's new tokens."""
-        sched = self.scheduler.schedule()
+        from fastdeploy.scheduler.scheduler import InsufficientKVCacheError
+
+        try:
+            sched = self.scheduler.schedule()
+        except InsufficientKVCacheError as e:
+            # The pool cannot hold even this one request: fail it, keep serving the others.
+            logger.error("aborting request %s: %s", e.request_id, e)
+            request = self.scheduler.get_request(e.request_id)
+            self.scheduler.abort_request(e.request_id)
+            return [EngineOutput(e.request_id, [], None, True, "abort",
+                                 request.num_prompt_tokens if request else 0)]
         if sched.is_empty:
             return []
         sampled = self.worker.execute_model(sched)

@@ -60,6 +60,8 @@ class _Detokenizer:
 
     def add(self, token_ids: list[int]) -> None:
         self.ids.extend(token_ids)
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            return
         if self.stream is not None:
             for t in token_ids:
                 piece = self.stream.step(self.backend, t)

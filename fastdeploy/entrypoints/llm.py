@@ -76,6 +76,9 @@ class LLM:
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True); "
+                                 "pass token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         return None, list(prompt)
 
