@@ -2,3 +2,7 @@
 
 Each kernel has a torch reference that is used on CPU and in the tests.
 """
+
+from custom_ops.kv_cache_ops import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
+
+__all__ = ["write_kv_cache", "write_kv_cache_torch", "write_kv_cache_triton"]

@@ -69,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.worker = GpuWorker(self.config, self.source, self.graph_plan)
         self.worker.load_model()
+        self.graph_plan = self.worker.graph_plan  # the worker may turn decode graphs off (fallback)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.graph_optimize_and_warm_up_model()

@@ -5,6 +5,7 @@ One worker per rank (only rank 0 today). It runs on CUDA or CPU; the name follow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -92,14 +93,26 @@ class GpuWorker:
         backend_name = cfg.device_config.attention_backend or envs.FD_ATTENTION_BACKEND()
         backend_cls = select_attention_backend(backend_name, self.device.type)
         block_size = cfg.cache_config.block_size
-        backend = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, block_size,
-                              self.dtype, self.device)
         sched = cfg.scheduler_config
+        max_blocks_per_seq = math.ceil(cfg.model_config.max_model_len / block_size)
+        extra = {}
+        if backend_cls.supports_graph_decode:  # sizes of its fixed graph metadata buffers
+            extra = {"max_num_reqs": sched.max_num_seqs,
+                     "max_num_blocks": sched.max_num_seqs * max_blocks_per_seq}
+        backend = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, block_size,
+                              self.dtype, self.device, **extra)
+        if self.graph_plan.decode_graphs and not backend.supports_graph_decode:
+            # Only reached when flashinfer was expected but is missing (the selector fell back).
+            self.graph_plan = dataclasses.replace(
+                self.graph_plan, decode_graphs=False, decode_capture_sizes=[],
+                reasons=[*self.graph_plan.reasons, f"decode graphs off: the {backend.name} "
+                         "attention backend cannot run inside a full CUDA graph"])
+            logger.warning("%s", self.graph_plan.reasons[-1])
         max_tokens = max([sched.max_num_batched_tokens, *self.graph_plan.prefill_capture_sizes])
         buffers = InputBuffers(
             max_num_tokens=max_tokens,
             max_num_reqs=sched.max_num_seqs,
-            max_blocks_per_seq=math.ceil(cfg.model_config.max_model_len / block_size),
+            max_blocks_per_seq=max_blocks_per_seq,
             block_size=block_size,
             device=self.device,
         )

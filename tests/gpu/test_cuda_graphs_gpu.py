@@ -11,7 +11,7 @@ import torch
 from fastdeploy import SamplingParams
 from fastdeploy.engine.request import Request
 from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
-from tests.gpu.gpu_utils import (
+from gpu_utils import (
     GRAPH_LOGIT_ATOL,
     assert_greedy_matches_hf,
     greedy,

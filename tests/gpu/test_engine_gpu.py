@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastdeploy import SamplingParams
-from tests.gpu.gpu_utils import (
+from gpu_utils import (
     assert_greedy_matches_hf,
     greedy,
     hf_reference,

@@ -236,3 +236,14 @@ def test_block_wise_unset_or_empty_is_silent(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         check_block_wise_env()
     assert caplog.records == []
+
+
+def test_torch_native_attention_turns_decode_graphs_off_keeps_piecewise():
+    from fastdeploy.config import DeviceConfig
+
+    config = make_config()
+    config.device_config = DeviceConfig(device="cuda", attention_backend="torch_native")
+    plan = resolve_graph_plan(config, "cuda")
+    assert not plan.decode_graphs and plan.decode_capture_sizes == []
+    assert plan.prefill_graphs and plan.prefill_capture_sizes
+    assert has_reason(plan, "decode graphs off", "torch_native")

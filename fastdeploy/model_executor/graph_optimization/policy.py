@@ -185,6 +185,12 @@ def _switch_reasons(config: FDConfig, platform: str) -> tuple[bool, bool, list[s
     if graph.cudagraph_only_prefill and decode:
         decode = False
         reasons.append("decode graphs off: cudagraph_only_prefill=true")
+    if config.device_config.attention_backend == "torch_native" and decode:
+        decode = False
+        reasons.append(
+            "decode graphs off: the torch_native attention backend loops over requests on the "
+            "host and cannot run inside a full CUDA graph (use the flashinfer backend)"
+        )
     # Rule 7 comes after every rule that can leave prefill graphs on (default, 4, 6).
     if swap_space > 0 and prefill:
         prefill = False

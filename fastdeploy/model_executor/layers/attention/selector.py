@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
@@ -45,8 +46,8 @@ def select_attention_backend(requested: str | None, device_type: str) -> type[At
             raise ValueError("attention_backend='flashinfer' needs a CUDA device; on CPU use 'torch_native'")
         return get_attention_backend_cls(requested)
     if device_type == "cuda":
-        try:
+        if importlib.util.find_spec("flashinfer") is not None:
             return get_attention_backend_cls("flashinfer")
-        except ImportError as e:
-            logger.warning("flashinfer is not usable (%s); using the torch_native attention backend", e)
+        logger.warning("flashinfer is not installed; using the torch_native attention backend "
+                       "(pip install flashinfer-python)")
     return get_attention_backend_cls("torch_native")

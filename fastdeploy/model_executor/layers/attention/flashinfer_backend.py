@@ -1,0 +1,403 @@
+"""Paged attention with flashinfer, the default backend on CUDA.
+
+Kernels and the plan/run split come from flashinfer (Z. Ye et al. 2025, "FlashInfer: Efficient and
+Customizable Attention Engine for LLM Inference Serving", https://github.com/flashinfer-ai/flashinfer;
+API of flashinfer-python 0.5.3). The KV cache is flashinfer's "NHD" paged layout
+``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; a request's pages are described in CSR
+form (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``).
+
+One step = one ``plan()`` (in :meth:`FlashInferAttentionBackend.build_metadata`, host work and a
+few small host-to-device copies) and one ``run()`` per layer (in ``forward``):
+
+* prefill, chunked prefill and mixed steps: ``BatchPrefillWithPagedKVCacheWrapper`` (ragged queries
+  over the paged cache, causal with the mask aligned to the end of each sequence, so cached
+  prefixes and chunk continuations work; grouped-query heads natively);
+* decode-only steps: ``BatchDecodeWithPagedKVCacheWrapper``; for a full CUDA graph, one decode
+  wrapper per bucket in CUDA-graph mode (see :meth:`FlashInferAttentionBackend.plan_graph_decode`).
+
+``forward`` runs eagerly between piecewise graph segments, so it does no planning and no
+per-request work: one Triton KV write and one flashinfer ``run``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from custom_ops.kv_cache_ops import write_kv_cache
+from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
+
+#: Float workspace shared by all wrappers (split-KV partial results); flashinfer recommends 128 MiB.
+WORKSPACE_BYTES = 128 << 20
+#: Int workspace (the plan's schedule) shared by the CUDA-graph decode wrappers; flashinfer's size.
+INT_WORKSPACE_BYTES = 8 << 20
+#: Context length assumed for sizing the graph page-index buffer when ``max_num_blocks`` is unset.
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass
+class PagedKVLayout:
+    """A batch's pages in flashinfer's CSR form, built on the host.
+
+    Attributes:
+        qo_indptr: int32 CPU ``[R + 1]``, cumulative query lengths (``R`` = requests incl. padding).
+        kv_indptr: int32 CPU ``[R + 1]``, cumulative page counts.
+        kv_last_page_len: int32 CPU ``[R]``, tokens in each request's last page (1..block_size;
+            1 for padding requests, which have no pages).
+        page_rows: int64 numpy ``[kv_indptr[-1]]``, for every page the flat index
+            ``request * table_width + page`` into the row-major block table.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_rows: np.ndarray
+
+
+def paged_kv_layout(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    table_width: int,
+    num_padding_reqs: int = 0,
+) -> PagedKVLayout:
+    """CSR page layout of a batch from host lengths (pure host work).
+
+    Args:
+        query_lens / seq_lens: new tokens and KV length (after this step) of each request.
+        block_size: tokens per page.
+        table_width: columns of the block table (``max_blocks_per_seq``).
+        num_padding_reqs: empty requests appended to fill a CUDA-graph bucket: no pages and
+            ``last_page_len`` 1 (flashinfer reads 0 as a full page), so the kernel sees length 0.
+
+    Raises:
+        ValueError: a sequence shorter than 1 or than its query, or longer than the block table.
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    n = len(s)
+    pages = (s + block_size - 1) // block_size
+    if len(q) != n or (n and (s.min() < 1 or q.min() < 0 or (q > s).any())):
+        raise ValueError(
+            f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens="
+            f"{q.tolist()}, seq_lens={s.tolist()}"
+        )
+    if n and pages.max() > table_width:
+        raise ValueError(
+            f"a sequence of {int(s.max())} tokens needs {int(pages.max())} blocks, "
+            f"more than the block table's {table_width}"
+        )
+    total = n + num_padding_reqs
+    qo_indptr = np.zeros(total + 1, dtype=np.int32)
+    qo_indptr[1 : n + 1] = np.cumsum(q)
+    qo_indptr[n + 1 :] = qo_indptr[n]
+    kv_indptr = np.zeros(total + 1, dtype=np.int32)
+    kv_indptr[1 : n + 1] = np.cumsum(pages)
+    kv_indptr[n + 1 :] = kv_indptr[n]
+    last = np.ones(total, dtype=np.int32)
+    last[:n] = s - (pages - 1) * block_size
+    req = np.repeat(np.arange(n, dtype=np.int64), pages)
+    page_rows = req * table_width + (np.arange(req.size, dtype=np.int64) - kv_indptr[req])
+    return PagedKVLayout(
+        torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last), page_rows
+    )
+
+
+@dataclass
+class FlashInferMetadata:
+    """One step's attention metadata (or a decode bucket's, for a CUDA graph).
+
+    Attributes:
+        wrapper: the planned flashinfer wrapper (None for a step without requests).
+        num_tokens: rows of ``q`` the wrapper runs on (the first ones); rows past it are padding.
+            For graph decode metadata it is the bucket size (padding requests are planned empty).
+        slot_mapping: int64 ``[>= T]`` device slots of the step's tokens (-1: write nothing).
+        graph_batch_size: the bucket size when bound to a decode CUDA graph, else 0.
+    """
+
+    wrapper: Any
+    num_tokens: int
+    slot_mapping: torch.Tensor | None
+    graph_batch_size: int = 0
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """flashinfer paged attention (prefill/extend, decode, decode in full CUDA graphs).
+
+    Args:
+        num_heads, num_kv_heads, head_dim, block_size, dtype, device: see
+            :class:`AttentionBackend`; ``dtype`` float16 or bfloat16, ``device`` CUDA.
+        max_num_reqs: largest decode bucket a CUDA graph is captured for (``max_num_seqs``).
+        max_num_blocks: capacity of the fixed page-index buffer that decode graphs read: at least
+            the pages of a full batch, ``max_num_seqs * ceil(max_model_len / block_size)``
+            (prefix-shared blocks count once per request). Default: that for a 32k context.
+        prefill_backend: flashinfer's prefill implementation: ``"fa2"`` (default; one kernel
+            per run), ``"fa3"`` (Hopper; adds an index-conversion kernel per run and compiles
+            longer) or ``"auto"`` (fa3 where supported).
+
+    Raises:
+        ImportError: flashinfer is not installed (imported here so CPU hosts can import the module).
+        ValueError: a non-CUDA device, a dtype other than float16/bfloat16, ``num_heads`` not a
+            multiple of ``num_kv_heads``, or a non-positive size.
+
+    Owns a 128 MiB float workspace, an 8 MiB int workspace and the fixed-size graph buffers.
+    """
+
+    name = "flashinfer"
+    supports_graph_decode = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        max_num_reqs: int = 256,
+        max_num_blocks: int | None = None,
+        prefill_backend: str = "fa2",
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise ImportError(f"the flashinfer backend needs flashinfer-python ({e})") from e
+        if self.device.type != "cuda":
+            raise ValueError(f"the flashinfer backend needs a CUDA device, got {self.device}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend supports float16 and bfloat16, got {dtype}")
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        if max_num_blocks is None:
+            max_num_blocks = max_num_reqs * math.ceil(DEFAULT_MAX_MODEL_LEN / block_size)
+        if max_num_reqs < 1 or max_num_blocks < 1:
+            raise ValueError(
+                f"max_num_reqs={max_num_reqs} and max_num_blocks={max_num_blocks} must be positive"
+            )
+        self._flashinfer = flashinfer
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks = max_num_blocks
+        # flashinfer's CUDA-core decode kernel exists for GQA groups 1, 2, 3, 4 and 8 only; the
+        # tensor-core path (its prefill kernel) handles any group and is faster for large ones
+        # (the same rule as vLLM's flashinfer backend).
+        self.use_tensor_cores = num_heads // num_kv_heads > 4
+        dev = self.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self._int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend
+        )
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        # Fixed addresses read by captured decode graphs. All buckets share them: a replay always
+        # follows the plan of its own bucket, which rewrites them.
+        self._graph_kv_indptr = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=dev)
+        self._graph_kv_indices = torch.zeros(max_num_blocks, dtype=torch.int32, device=dev)
+        self._graph_kv_last_page_len = torch.ones(max_num_reqs, dtype=torch.int32, device=dev)
+        self._plan_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _plan
+
+    # ------------------------------------------------------------------ planning
+    def build_metadata(self, batch: AttentionBatch) -> FlashInferMetadata:
+        """Plan the step (once per step, all layers share it) from the batch's host lengths.
+
+        Decode-only steps plan the decode wrapper, all others the prefill wrapper (causal,
+        ragged queries over the pages). Host work plus small asynchronous copies (no device sync
+        in the engine's step loop; see :meth:`_plan`).
+
+        Raises:
+            ValueError: lengths that do not fit the block table (see :func:`paged_kv_layout`).
+        """
+        if batch.num_reqs == 0:
+            return FlashInferMetadata(None, 0, batch.slot_mapping)
+        layout = paged_kv_layout(
+            batch.query_lens_host, batch.seq_lens_host, self.block_size, batch.block_tables.shape[1]
+        )
+        indices = self._page_indices(batch.block_tables, layout.page_rows)
+        if batch.is_decode_only:
+            wrapper = self.decode_wrapper
+            self._plan_decode(wrapper, layout, indices)
+        else:
+            wrapper = self.prefill_wrapper
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+            self._plan(
+                wrapper, layout.qo_indptr, layout.kv_indptr, indices, layout.kv_last_page_len,
+                *shape, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )  # fmt: skip
+        return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
+
+    def make_graph_decode_metadata(self, batch_size: int) -> FlashInferMetadata:
+        """Prepare for capture: a CUDA-graph decode wrapper for a bucket of ``batch_size``
+        requests, bound to the backend's fixed metadata buffers (call outside stream capture).
+
+        Capture protocol, per bucket ``B`` (largest first):
+
+        1. ``meta = make_graph_decode_metadata(B)``;
+        2. ``plan_graph_decode(meta, dummy_batch, B)`` with a decode step padded to ``B`` tokens
+           whose ``slot_mapping`` is the runner's persistent buffer (its address is recorded);
+        3. at least one eager forward with ``meta`` (warm-up: compiles the flashinfer and Triton
+           kernels and lets flashinfer allocate its small constant buffers outside capture);
+        4. capture the forward with ``meta`` as ``attn_metadata``.
+
+        Raises:
+            ValueError: ``batch_size`` outside ``1..max_num_reqs``.
+        """
+        if not 1 <= batch_size <= self.max_num_reqs:
+            raise ValueError(
+                f"decode bucket {batch_size} outside 1..max_num_reqs={self.max_num_reqs}"
+            )
+        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=self._graph_kv_indptr[: batch_size + 1],
+            paged_kv_indices_buffer=self._graph_kv_indices,
+            paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:batch_size],
+        )
+        # One int workspace for all buckets instead of 8 MiB each; safe because a replay always
+        # follows its own bucket's plan on the same stream.
+        wrapper.reset_workspace_buffer(self.workspace, self._int_workspace)
+        return FlashInferMetadata(wrapper, batch_size, None, graph_batch_size=batch_size)
+
+    def plan_graph_decode(
+        self, graph_metadata: FlashInferMetadata, batch: AttentionBatch, batch_size: int
+    ) -> FlashInferMetadata:
+        """Prepare for replay: re-plan the bucket's wrapper for this step, in place.
+
+        Must run before every replay of the bucket's graph (and before its capture), on the
+        replay's stream, with no other bucket planned in between: ``plan()`` writes this step's
+        ``kv_indptr``/``kv_indices``/``kv_last_page_len`` into the fixed buffers the graph reads
+        and the split-KV schedule into the shared int workspace. The step's requests are padded
+        to ``batch_size`` with empty requests (their output rows are not meaningful; the runner
+        slices them off).
+
+        Args:
+            graph_metadata: from :meth:`make_graph_decode_metadata` for ``batch_size``.
+            batch: a decode-only step of at most ``batch_size`` requests, its tokens padded to
+                ``batch_size`` rows (slot -1), its ``slot_mapping`` the buffer seen at capture.
+            batch_size: the bucket.
+
+        Raises:
+            ValueError: wrong bucket, not decode-only, too many requests or pages, unpadded rows.
+            RuntimeError: the slot mapping is not at the address the graph was captured with.
+        """
+        md = graph_metadata
+        if md.graph_batch_size != batch_size:
+            raise ValueError(f"metadata of bucket {md.graph_batch_size} planned for {batch_size}")
+        if not batch.is_decode_only or batch.num_reqs > batch_size:
+            raise ValueError(
+                f"graph decode needs a decode-only step of <= {batch_size} requests, "
+                f"got {batch.num_reqs} (decode_only={batch.is_decode_only})"
+            )
+        if batch.slot_mapping.shape[0] != batch_size:
+            raise ValueError(
+                f"pad the step's tokens to the bucket: slot_mapping has "
+                f"{batch.slot_mapping.shape[0]} rows, bucket {batch_size}"
+            )
+        if md.slot_mapping is None:
+            md.slot_mapping = batch.slot_mapping
+        elif md.slot_mapping.data_ptr() != batch.slot_mapping.data_ptr():
+            raise RuntimeError(
+                "the step's slot_mapping is not the buffer the graph was captured "
+                "with; copy slots into the runner's persistent buffer"
+            )
+        layout = paged_kv_layout(
+            batch.query_lens_host,
+            batch.seq_lens_host,
+            self.block_size,
+            batch.block_tables.shape[1],
+            batch_size - batch.num_reqs,
+        )
+        if layout.page_rows.size > self.max_num_blocks:
+            raise ValueError(
+                f"step needs {layout.page_rows.size} pages, more than "
+                f"max_num_blocks={self.max_num_blocks}"
+            )
+        self._plan_decode(
+            md.wrapper, layout, self._page_indices(batch.block_tables, layout.page_rows)
+        )
+        return md
+
+    def _plan_decode(self, wrapper: Any, layout: PagedKVLayout, indices: torch.Tensor) -> None:
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        self._plan(
+            wrapper, layout.kv_indptr, indices, layout.kv_last_page_len, *shape,
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        )  # fmt: skip
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """``wrapper.plan(...)``, first waiting until this wrapper's previous plan has been copied
+        to the device: plan() writes its schedule into a pinned host buffer of the wrapper and
+        copies it asynchronously, so re-planning before that copy ran would corrupt it. In the
+        engine a step's sampled tokens are synchronised, so the event is complete and this costs
+        nothing; it only guards callers that plan twice without a sync."""
+        done = self._plan_events.get(wrapper)
+        if done is None:
+            done = self._plan_events[wrapper] = torch.cuda.Event()
+        else:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        done.record()
+
+    def _page_indices(self, block_tables: torch.Tensor, page_rows: np.ndarray) -> torch.Tensor:
+        """int32 ``[num_pages]`` block ids on the device, gathered from the block table (a device
+        gather for a device table: no device-to-host copy)."""
+        table = block_tables.reshape(-1)
+        if table.device.type == "cpu":
+            rows = torch.from_numpy(page_rows)
+            return table.index_select(0, rows).to(device=self.device, dtype=torch.int32)
+        rows = torch.from_numpy(page_rows).to(table.device, non_blocking=True)
+        return table.index_select(0, rows).to(torch.int32)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashInferMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V (Triton, slot -1 skipped), then one flashinfer ``run``.
+
+        Args:
+            q: ``[T, num_heads * head_dim]``; k, v: ``[T, num_kv_heads * head_dim]`` (row-strided
+                views such as a split of a fused QKV projection are fine), the backend's dtype.
+            kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+            metadata: from :meth:`build_metadata` or :meth:`plan_graph_decode` for this step.
+            out: optional contiguous ``[T, num_heads * head_dim]`` result buffer.
+
+        Returns:
+            ``[T, num_heads * head_dim]`` (``out`` when given); rows past ``metadata.num_tokens``
+            are zero. With graph decode metadata all ``T`` (= bucket) rows are computed and the
+            padding requests' rows are not meaningful.
+        """
+        md = metadata
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        num_rows = q.shape[0]
+        if out is None:
+            out = q.new_empty(num_rows, self.num_heads * self.head_dim)
+        n = md.num_tokens
+        if n > num_rows:
+            raise ValueError(f"metadata planned for {n} tokens, q has {num_rows} rows")
+        if n:
+            q3 = q.view(num_rows, self.num_heads, self.head_dim)
+            o3 = out.view(num_rows, self.num_heads, self.head_dim)
+            if n < num_rows:
+                q3, o3 = q3[:n], o3[:n]
+            md.wrapper.run(q3, kv_cache, out=o3)
+        if n < num_rows:
+            out[n:].zero_()
+        return out
