@@ -1,0 +1,397 @@
+"""Asynchronous front of :class:`~fastdeploy.engine.engine.LLMEngine` for the API server.
+
+Structure: the engine's step loop runs on ONE dedicated background thread; everything else
+(tokenisation, chat templates, detokenisation with stop strings, HTTP and SSE streaming) runs on the
+server's asyncio thread. Why a thread and not a separate process:
+
+* the model step spends its time inside torch ops, which release the GIL, so the asyncio thread
+  keeps serving HTTP while the model runs;
+* one process keeps the KV cache state, the scheduler and the metrics in one place, with no
+  serialisation of requests or outputs between processes;
+* the loop never waits on HTTP: it only drains a thread-safe command queue between steps (adds,
+  aborts, stop-string finishes), steps, and posts each step's outputs to the asyncio loop with
+  ``loop.call_soon_threadsafe``. Detokenisation happens after that hand-off, so a slow client or a
+  slow tokenizer never delays the next step. Each step's new tokens reach the per-request asyncio
+  queues (and so the streams) right after that step.
+
+All calls into the engine (``add_request``, ``abort_request``, ``finish_request``, ``step``,
+``get_stats``) happen on the engine thread, so the engine itself needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a client is told to wait (``Retry-After``) when the request queue is full.
+RETRY_AFTER_S = 1
+
+
+class QueueFullError(RuntimeError):
+    """The server already holds ``max_concurrency`` requests; retry after ``retry_after`` s."""
+
+    def __init__(self, max_concurrency: int, retry_after: int = RETRY_AFTER_S) -> None:
+        super().__init__(
+            f"the server is at its limit of {max_concurrency} concurrent requests "
+            f"(--max-concurrency); retry after {retry_after} s"
+        )
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shutdown or a failed step); no request can make progress."""
+
+
+@dataclass
+class _Tracked:
+    """Per-request state on the asyncio side: its output queue and timing for the metrics."""
+
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    arrival: float
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
+def _snapshot(ro: Any) -> Any:
+    """A copy of a ``RequestOutput`` that later steps cannot change.
+
+    The output processor updates one ``RequestOutput`` per request in place, step after step; a
+    consumer that is a few steps behind would otherwise read a later step's ``delta_text`` in
+    place of the ones it missed. Costs one copy of the cumulative token id list per step.
+    """
+    snap = copy.copy(ro)
+    snap.outputs = []
+    for comp in ro.outputs:
+        c = copy.copy(comp)
+        c.token_ids = list(comp.token_ids)
+        if comp.logprobs is not None:
+            c.logprobs = list(comp.logprobs)
+        snap.outputs.append(c)
+    return snap
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`RequestOutput` objects, ending after the finished
+    one. :meth:`close` aborts the request if it has not finished (its KV blocks are freed); it is
+    also called when the stream is garbage-collected unfinished, so a consumer that vanishes
+    before iterating still frees its request."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, out_queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = out_queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()  # cancellation-safe: no item is lost
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished. Idempotent."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncLLMEngine:
+    """Runs ``engine.step()`` on a background thread and streams outputs to asyncio consumers.
+
+    Args:
+        engine: an ``LLMEngine`` (or anything with its methods: ``add_request``,
+            ``abort_request``, ``finish_request``, ``step``, ``has_unfinished_requests``,
+            ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
+            ``vocab_size``).
+        output_processor: turns ``EngineOutput`` lists into ``RequestOutput`` lists
+            (detokenisation, stop strings); default ``OutputProcessor(engine.tokenizer)``.
+        max_concurrency: requests admitted at once (running + waiting); more raise
+            :class:`QueueFullError`. ``None`` means no limit.
+        metrics: where to record; a fresh :class:`ServerMetrics` by default.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        output_processor: Any = None,
+        max_concurrency: int | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if output_processor is None:
+            from fastdeploy.engine.output_processor import OutputProcessor
+
+            output_processor = OutputProcessor(engine.tokenizer)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.max_concurrency = max_concurrency
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._processor = output_processor
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self.stats: dict = {}
+
+    # ---------------------------------------------------------------- lifecycle (asyncio side)
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running asyncio loop."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="fastdeploy-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after the current step, fail in-flight requests, shut the engine down."""
+        if self._dead is None:
+            self._dead = EngineDeadError("the server is shutting down")
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+        self._fail_all(self._dead)
+        if self._thread is not None and self._thread.is_alive():
+            # Still inside a step: releasing the model under it would be unsafe. The thread is a
+            # daemon, so it does not keep the process alive.
+            logger.error("engine thread did not stop within %.0f s", timeout_s)
+            return
+        self.engine.shutdown()
+
+    # ---------------------------------------------------------------- requests (asyncio side)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its stream. Checks run here, synchronously, so the caller
+        can answer with an HTTP error before any response starts.
+
+        Raises:
+            ValueError: empty prompt, prompt not shorter than ``max_model_len`` (names both
+                lengths), a token id outside the vocabulary, or a request id already in flight.
+            QueueFullError: ``max_concurrency`` requests are already in flight.
+            EngineDeadError: the engine loop is not running.
+        """
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError(str(self._dead or "the engine loop is not running"))
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; it must contain at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but max_model_len is {self.max_model_len}; the prompt "
+                f"must be shorter than max_model_len to leave room for output"
+            )
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
+            raise QueueFullError(self.max_concurrency)
+        self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
+        out_queue: asyncio.Queue = asyncio.Queue()
+        self._tracked[request_id] = _Tracked(out_queue, n, time.monotonic())
+        self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params))
+        return RequestStream(self, request_id, out_queue)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[Any]:
+        """Yield the request's ``RequestOutput`` objects (one per step with new tokens).
+
+        If the consumer goes away (``CancelledError``, ``GeneratorExit``) the request is aborted
+        and its KV blocks are freed. Raises what :meth:`add_request` raises, and
+        :class:`EngineDeadError` if the loop stops while the request runs.
+        """
+        stream = self.add_request(request_id, prompt_token_ids, sampling_params, prompt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort an in-flight request (no-op when it already finished). Safe from any thread."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self._processor.abort_request(request_id)
+        self._commands.put(("abort", request_id))
+        self.metrics.observe_finish("abort", time.monotonic() - tracked.arrival)
+
+    def fail_in_flight(self, message: str) -> int:
+        """End every in-flight request with :class:`EngineDeadError` (``message``) and abort it in
+        the engine, which keeps running. Used when a graceful shutdown runs out of time. Returns
+        how many requests were ended."""
+        return self._fail_all(EngineDeadError(message))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted and not yet finished or aborted."""
+        return len(self._tracked)
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        """The engine loop: drain commands, step while there is work, post outputs."""
+        try:
+            self._post(self._on_stats, self.engine.get_stats())
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    return
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    now = time.monotonic()
+                    self._post(self._on_step, outputs, self.engine.get_stats(), now)
+        except BaseException as e:  # noqa: BLE001 - report any failure to the waiting clients
+            logger.exception("engine loop failed")
+            self._post(self._on_dead, e)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; wait for one first when ``block``. False means stop."""
+        changed = False
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                break
+            block = False
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            changed = True
+            if kind == "add":
+                _, request_id, prompt_token_ids, params = cmd
+                try:
+                    self.engine.add_request(request_id, prompt_token_ids, params)
+                except ValueError as e:
+                    self._post(self._fail, request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request(cmd[1])
+            elif kind == "finish":
+                self.engine.finish_request(cmd[1], cmd[2])
+        if changed:
+            self._post(self._on_stats, self.engine.get_stats())
+        return True
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the asyncio loop (dropped if the loop is already closed)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    # ---------------------------------------------------------------- callbacks (asyncio side)
+    def _on_stats(self, stats: dict) -> None:
+        self.stats = stats
+        self.metrics.observe_stats(stats)
+
+    def _on_step(self, outputs: list, stats: dict, now: float) -> None:
+        """Detokenise one step's outputs and hand them to their streams."""
+        self._on_stats(stats)
+        # Aborted requests, and requests already finished by a stop string, may still produce
+        # tokens in the steps before the engine thread sees their abort/finish command.
+        outputs = [o for o in outputs if o.request_id in self._tracked]
+        if not outputs:
+            return
+        try:
+            results = self._processor.process(outputs)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep the server up
+            logger.exception("output processing failed")
+            for request_id in {o.request_id for o in outputs}:
+                self._fail(request_id, RuntimeError(f"output processing failed: {e!r}"))
+            return
+        for ro in results:
+            tracked = self._tracked.get(ro.request_id)
+            if tracked is None:
+                continue
+            self._record_tokens(tracked, ro, now)
+            tracked.queue.put_nowait(_snapshot(ro))
+            if ro.finished:
+                del self._tracked[ro.request_id]
+                reason = ro.outputs[0].finish_reason or "stop"
+                self.metrics.observe_finish(reason, now - tracked.arrival)
+                if ro.needs_finish:  # a stop string ended it; the engine must free its blocks
+                    self._commands.put(("finish", ro.request_id, reason))
+
+    def _record_tokens(self, tracked: _Tracked, ro: Any, now: float) -> None:
+        """Feed the token counters and latency histograms from one cumulative output."""
+        num_tokens = len(ro.outputs[0].token_ids)
+        num_new = num_tokens - tracked.num_output_tokens
+        if num_new <= 0:
+            return
+        tracked.num_output_tokens = num_tokens
+        if tracked.last_token_time is None:
+            self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
+            self.metrics.observe_tokens(1, None)
+            if num_new > 1:
+                self.metrics.observe_tokens(num_new - 1, 0.0)
+        else:
+            self.metrics.observe_tokens(num_new, now - tracked.last_token_time)
+        tracked.last_token_time = now
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one request with ``error`` (raised to its consumer) and abort it in the engine
+        (harmless if the engine never had it or has stopped)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self._processor.abort_request(request_id)
+        self._commands.put(("abort", request_id))
+        self.metrics.observe_finish("error", time.monotonic() - tracked.arrival)
+        tracked.queue.put_nowait(error)
+
+    def _on_dead(self, error: BaseException) -> None:
+        self._dead = EngineDeadError(f"the engine loop failed: {error!r}")
+        self._fail_all(self._dead)
+
+    def _fail_all(self, error: BaseException) -> int:
+        """:meth:`_fail` every in-flight request; returns how many there were."""
+        request_ids = list(self._tracked)
+        for request_id in request_ids:
+            self._fail(request_id, error)
+        return len(request_ids)

@@ -1,0 +1,40 @@
+"""The ``fastdeploy`` command line.
+
+Subcommands:
+  * ``fastdeploy serve [args]``: the OpenAI-compatible server; the same arguments as
+    ``python -m fastdeploy.entrypoints.openai.api_server`` (one parser builder,
+    :func:`fastdeploy.entrypoints.openai.api_server.make_arg_parser`).
+
+Examples: ``fastdeploy serve --port 8000``, ``fastdeploy serve --print-config --device cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per subcommand."""
+    from fastdeploy.entrypoints.openai.api_server import make_arg_parser, run_server
+
+    parser = argparse.ArgumentParser(prog="fastdeploy", description="FastDeploy-style LLM engine")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Start the OpenAI-compatible server (FastAPI + uvicorn).",
+    )
+    make_arg_parser(serve)
+    serve.set_defaults(func=run_server)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fastdeploy`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

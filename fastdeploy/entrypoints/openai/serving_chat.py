@@ -1,0 +1,165 @@
+"""``POST /v1/chat/completions``: chat template, generation, JSON or server-sent events."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+    dump,
+    usage_of,
+)
+from fastdeploy.entrypoints.openai.serving_utils import (
+    OpenAIServing,
+    api_error_from,
+    bad_request,
+    chat_logprobs,
+    collect_final,
+    iterate_closing,
+    sampling_params_from,
+    sse,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handles chat completions for one served model."""
+
+    def render_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """Apply the tokenizer's chat template; returns ``(prompt text, prompt token ids)``.
+
+        The template already writes the special tokens (``<|im_start|>`` ...), so the text is
+        encoded without adding more.
+
+        Raises:
+            APIError: 400 when the template rejects the conversation.
+        """
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in req.messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - a template error is the client's conversation
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
+        """Run one chat completion.
+
+        Raises:
+            APIError: 400 bad field, 404 unknown model, 429 queue full, 503 engine stopped.
+        """
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params_from(req, max_tokens, logprobs)
+        prompt, prompt_ids = self.render_prompt(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.admit(request_id, prompt_ids, params, prompt)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(stream, request_id, len(prompt_ids), include_usage, req.logprobs),
+                media_type="text/event-stream",
+            )
+        try:
+            final = await collect_final(stream, raw_request)
+        except Exception as e:  # noqa: BLE001 - engine-side failure of this request
+            raise api_error_from(e) from None
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        comp = final.outputs[0]
+        body = ChatCompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=[
+                ChatChoice(
+                    message=ChatResponseMessage(content=comp.text),
+                    logprobs=ChatLogprobs(content=chat_logprobs(self.tokenizer, comp.logprobs))
+                    if req.logprobs
+                    else None,
+                    finish_reason=comp.finish_reason,
+                )
+            ],
+            usage=usage_of(len(prompt_ids), len(comp.token_ids)),
+        )
+        return JSONResponse(dump(body))
+
+    async def _stream(
+        self,
+        stream: Any,
+        request_id: str,
+        num_prompt_tokens: int,
+        include_usage: bool,
+        with_logprobs: bool,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a role chunk, one chunk per step with new text, the finish reason,
+        an optional usage chunk, then ``[DONE]``. An engine failure becomes an error event."""
+
+        def chunk(
+            delta: DeltaMessage, finish_reason: str | None = None, logprobs: list | None = None
+        ) -> str:
+            choice = ChatChunkChoice(
+                delta=delta,
+                finish_reason=finish_reason,
+                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+            )
+            return sse(
+                dump(
+                    ChatCompletionChunk(
+                        id=request_id, model=self.served_model_name, choices=[choice]
+                    )
+                )
+            )
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        num_tokens = 0
+        try:
+            async for ro in iterate_closing(stream):
+                comp = ro.outputs[0]
+                num_tokens = len(comp.token_ids)
+                logprobs = (
+                    chat_logprobs(self.tokenizer, comp.delta_logprobs) if with_logprobs else None
+                )
+                if comp.delta_text or ro.finished or logprobs:
+                    yield chunk(
+                        DeltaMessage(content=comp.delta_text),
+                        comp.finish_reason if ro.finished else None,
+                        logprobs,
+                    )
+        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
+            yield sse(api_error_from(e).body())
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            yield sse(
+                dump(
+                    ChatCompletionChunk(
+                        id=request_id,
+                        model=self.served_model_name,
+                        choices=[],
+                        usage=usage_of(num_prompt_tokens, num_tokens),
+                    )
+                )
+            )
+        yield sse("[DONE]")

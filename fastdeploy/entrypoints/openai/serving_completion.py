@@ -1,0 +1,142 @@
+"""``POST /v1/completions``: a text or token-id prompt, JSON or server-sent events."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fastdeploy.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    dump,
+    usage_of,
+)
+from fastdeploy.entrypoints.openai.serving_utils import (
+    OpenAIServing,
+    api_error_from,
+    bad_request,
+    collect_final,
+    completion_logprobs,
+    iterate_closing,
+    sampling_params_from,
+    sse,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles legacy completions for one served model (one prompt per request)."""
+
+    def tokenize_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
+        """``(prompt text or None, prompt token ids)`` from a string, a token-id list, or a
+        one-element list of either.
+
+        Raises:
+            APIError: 400 for a batch of several prompts.
+        """
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"prompt holds {len(prompt)} prompts; this server takes one per request",
+                    "prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> Response:
+        """Run one completion.
+
+        Raises:
+            APIError: 400 bad field, 404 unknown model, 429 queue full, 503 engine stopped.
+        """
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        prompt, prompt_ids = self.tokenize_prompt(req)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = self.admit(request_id, prompt_ids, params, prompt)
+        with_logprobs = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(stream, request_id, len(prompt_ids), include_usage, with_logprobs),
+                media_type="text/event-stream",
+            )
+        try:
+            final = await collect_final(stream, raw_request)
+        except Exception as e:  # noqa: BLE001 - engine-side failure of this request
+            raise api_error_from(e) from None
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        comp = final.outputs[0]
+        choice = CompletionChoice(
+            text=comp.text,
+            logprobs=completion_logprobs(self.tokenizer, comp.logprobs) if with_logprobs else None,
+            finish_reason=comp.finish_reason,
+        )
+        body = CompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=[choice],
+            usage=usage_of(len(prompt_ids), len(comp.token_ids)),
+        )
+        return JSONResponse(dump(body))
+
+    async def _stream(
+        self,
+        stream: Any,
+        request_id: str,
+        num_prompt_tokens: int,
+        include_usage: bool,
+        with_logprobs: bool,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per step with new text (the last one carries the finish
+        reason), an optional usage chunk, then ``[DONE]``."""
+        num_tokens, offset = 0, 0
+        try:
+            async for ro in iterate_closing(stream):
+                comp = ro.outputs[0]
+                num_tokens = len(comp.token_ids)
+                logprobs = None
+                if with_logprobs:
+                    logprobs = completion_logprobs(self.tokenizer, comp.delta_logprobs, offset)
+                    offset += sum(len(t) for t in logprobs.tokens)
+                if comp.delta_text or ro.finished or (logprobs and logprobs.tokens):
+                    choice = CompletionChoice(
+                        text=comp.delta_text,
+                        logprobs=logprobs,
+                        finish_reason=comp.finish_reason if ro.finished else None,
+                    )
+                    yield sse(
+                        dump(
+                            CompletionResponse(
+                                id=request_id, model=self.served_model_name, choices=[choice]
+                            )
+                        )
+                    )
+        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
+            yield sse(api_error_from(e).body())
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            yield sse(
+                dump(
+                    CompletionResponse(
+                        id=request_id,
+                        model=self.served_model_name,
+                        choices=[],
+                        usage=usage_of(num_prompt_tokens, num_tokens),
+                    )
+                )
+            )
+        yield sse("[DONE]")

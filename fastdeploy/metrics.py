@@ -1,0 +1,164 @@
+"""Prometheus metrics of the serving engine, in a registry owned by the server.
+
+Each :class:`ServerMetrics` owns its own :class:`prometheus_client.CollectorRegistry` rather than
+the process-global default one, so tests (and one process hosting several servers) can create as
+many as they like without "duplicated timeseries" errors. Names follow FastDeploy's
+``fastdeploy:`` metrics (``fastdeploy:num_requests_running``,
+``fastdeploy:time_to_first_token_seconds``, ...).
+
+Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
+by graph mode, padded tokens) come from ``LLMEngine.get_stats()`` snapshots; the engine reports the
+step and padding counts cumulatively, so :meth:`ServerMetrics.observe_stats` adds the difference to
+the Prometheus counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+GRAPH_MODES = ("full", "piecewise", "eager")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Buckets in seconds; the same ladders vLLM and FastDeploy use for these three histograms.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+# fmt: on
+
+
+class ServerMetrics:
+    """All metrics of one server, registered in ``self.registry``.
+
+    Thread-safety: prometheus_client metrics are thread-safe; :meth:`observe_stats` keeps the
+    previous cumulative counts and must be called from one thread (the server's asyncio thread).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fastdeploy:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "fastdeploy:request_rejected",
+            "Requests refused before reaching the engine.",
+            ["reason"],
+            registry=r,
+        )
+        self.num_running = Gauge(
+            "fastdeploy:num_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.num_waiting = Gauge(
+            "fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "fastdeploy:gpu_cache_usage_perc",
+            "KV cache usage, 0..1 (1 = all blocks used).",
+            registry=r,
+        )
+        self.free_blocks = Gauge(
+            "fastdeploy:num_free_kv_blocks", "Free KV cache blocks.", registry=r
+        )
+        self.total_blocks = Gauge(
+            "fastdeploy:num_total_kv_blocks", "KV cache blocks in the pool.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "fastdeploy:prompt_tokens", "Prompt tokens prefilled.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "fastdeploy:generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            "fastdeploy:time_to_first_token_seconds",
+            "Time to first token (s).",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "fastdeploy:time_per_output_token_seconds",
+            "Time per output token after the first (s), one observation per streamed token.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "fastdeploy:e2e_request_latency_seconds",
+            "End-to-end request latency (s).",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.steps = Counter(
+            "fastdeploy:steps",
+            "Engine steps by graph mode (full, piecewise, eager).",
+            ["mode"],
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            "fastdeploy:padded_tokens",
+            "Tokens added to pad batches up to a capture size.",
+            registry=r,
+        )
+        for reason in FINISH_REASONS:
+            self.requests.labels(finished_reason=reason)
+        for mode in GRAPH_MODES:
+            self.steps.labels(mode=mode)
+        self._last_steps: dict[str, int] = {}
+        self._last_padded = 0
+
+    def observe_stats(self, stats: dict) -> None:
+        """Update gauges and counters from one ``LLMEngine.get_stats()`` snapshot.
+
+        Unknown or missing keys are skipped, so a partial snapshot is fine.
+        """
+        if "num_running" in stats:
+            self.num_running.set(stats["num_running"])
+        if "num_waiting" in stats:
+            self.num_waiting.set(stats["num_waiting"])
+        if "kv_cache_usage" in stats:
+            self.kv_cache_usage.set(stats["kv_cache_usage"])
+        if "num_free_blocks" in stats:
+            self.free_blocks.set(stats["num_free_blocks"])
+        if "num_total_blocks" in stats:
+            self.total_blocks.set(stats["num_total_blocks"])
+        for mode, count in (stats.get("steps_by_mode") or {}).items():
+            delta = count - self._last_steps.get(mode, 0)
+            if delta > 0:
+                self.steps.labels(mode=mode).inc(delta)
+            self._last_steps[mode] = count
+        padded = stats.get("num_padded_tokens")
+        if padded is not None:
+            if padded > self._last_padded:
+                self.padded_tokens.inc(padded - self._last_padded)
+            self._last_padded = padded
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        """A request's prefill finished and its first token came out."""
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_tokens(self, num_tokens: int, interval_s: float | None) -> None:
+        """``num_tokens`` new tokens of one request; ``interval_s`` since its previous tokens."""
+        self.generation_tokens.inc(num_tokens)
+        if interval_s is not None and num_tokens > 0:
+            per_token = interval_s / num_tokens
+            for _ in range(num_tokens):
+                self.tpot.observe(per_token)
+
+    def observe_finish(self, finish_reason: str, e2e_s: float) -> None:
+        """A request left the engine with ``finish_reason`` (stop, length, abort or error)."""
+        self.requests.labels(finished_reason=finish_reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def observe_rejected(self, reason: str) -> None:
+        """A request was refused with an HTTP error (``invalid``, ``queue_full``, ...)."""
+        self.rejected.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,130 @@
+"""A small stand-in for ``LLMEngine`` to test the HTTP layer fast, without a model.
+
+The tokenizer is character-level (token id = code point, vocabulary 0..255, eos 0). A request's
+output is a fixed function of its prompt, so a batched request must produce exactly what it
+produces alone. Each step emits one token per running request; ``step_delay_s`` makes steps slow
+enough to disconnect in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastdeploy.config import FDConfig
+from fastdeploy.engine.engine import EngineOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class FakeTokenizer:
+    """Characters are tokens; the chat template is ``role: content`` lines."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        if any(m["role"] == "assistant" and m["content"] == "BOOM" for m in messages):
+            raise ValueError("template exploded")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+
+def expected_text(prompt_ids: list[int], n: int) -> str:
+    """What the fake engine generates for ``prompt_ids`` in ``n`` tokens."""
+    return FakeTokenizer().decode([fake_token(prompt_ids, i) for i in range(n)])
+
+
+def fake_token(prompt_ids: list[int], i: int) -> int:
+    """The ``i``-th output token of a prompt: a lowercase letter or a space."""
+    k = (sum(prompt_ids) * 7 + i * 3) % 27
+    return 32 if k == 26 else ord("a") + k
+
+
+class _Plan:
+    def to_dict(self) -> dict:
+        return {"decode_graphs": False, "reasons": ["fake engine"]}
+
+
+class FakeEngine:
+    """Implements the ``LLMEngine`` methods the server uses; single-threaded like the real one."""
+
+    def __init__(self, max_model_len: int = 128, num_blocks: int = 16, step_delay_s: float = 0.0):
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.vocab_size = 256
+        self.config = FDConfig()
+        self.graph_plan = _Plan()
+        self.step_delay_s = step_delay_s
+        self.num_blocks = num_blocks
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.aborted: list[str] = []
+        self.finished_early: list[str] = []
+        self.steps = 0
+        self.fail_next_step = False
+        self.is_shut_down = False
+        self.thread_ids: set[int] = set()
+
+    def _touch(self) -> None:
+        self.thread_ids.add(threading.get_ident())
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params):
+        self._touch()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = (list(prompt_token_ids), sampling_params, [])
+
+    def abort_request(self, request_id: str) -> bool:
+        self._touch()
+        self.aborted.append(request_id)
+        return self.requests.pop(request_id, None) is not None
+
+    def finish_request(self, request_id: str, finish_reason: str = "stop") -> None:
+        self._touch()
+        self.finished_early.append(request_id)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineOutput]:
+        self._touch()
+        if self.fail_next_step:
+            raise RuntimeError("simulated device failure")
+        time.sleep(self.step_delay_s)
+        self.steps += 1
+        outputs = []
+        for rid, (prompt, params, out) in list(self.requests.items()):
+            tok = fake_token(prompt, len(out))
+            out.append(tok)
+            logprobs = None
+            if params.logprobs is not None:
+                top = [(tok, -0.25), (ord("z"), -2.0)][: params.logprobs]
+                logprobs = [{"token_id": tok, "logprob": -0.25, "top_logprobs": top}]
+            limit = min(params.max_tokens or 10**9, self.max_model_len - len(prompt))
+            done = len(out) >= limit
+            if done:
+                del self.requests[rid]
+            outputs.append(
+                EngineOutput(rid, [tok], logprobs, done, "length" if done else None, len(prompt))
+            )
+        return outputs
+
+    def get_stats(self) -> dict:
+        used = len(self.requests)
+        return {
+            "num_running": used,
+            "num_waiting": 0,
+            "kv_cache_usage": used / self.num_blocks,
+            "num_free_blocks": self.num_blocks - used,
+            "num_total_blocks": self.num_blocks,
+            "steps_by_mode": {"eager": self.steps},
+            "num_padded_tokens": 2 * self.steps,
+        }
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True

@@ -1,0 +1,63 @@
+"""Helpers to run a server for the tests: a free port, an in-thread uvicorn, waits with timeouts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.entrypoints.openai.api_server import build_app
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms; fail the test after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@contextmanager
+def serve_in_thread(
+    engine, served_model_name: str = "fake-model", max_concurrency: int | None = None
+) -> Iterator[tuple[str, AsyncLLMEngine]]:
+    """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>; yields (url, engine)."""
+    async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency)
+    app = build_app(async_engine, served_model_name)
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: server.started, 10, "the in-thread server to start")
+    try:
+        yield url, async_engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive(), "the in-thread server did not stop"
+
+
+def get_json(url: str, path: str) -> dict:
+    """GET ``url + path`` and return the JSON body (asserting 200)."""
+    r = httpx.get(url + path, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()

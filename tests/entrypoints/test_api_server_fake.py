@@ -1,0 +1,361 @@
+"""The HTTP layer against a fake engine: routes, streaming, errors, metrics, disconnects (fast).
+
+The server runs with uvicorn on a thread at 127.0.0.1 and is called over real HTTP with the
+official ``openai`` client and ``httpx``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from fake_llm_engine import FakeEngine, FakeTokenizer, expected_text
+from http_server_utils import get_json, serve_in_thread, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "fake-model"
+TOK = FakeTokenizer()
+
+
+def chat_prompt_ids(content: str) -> list[int]:
+    text = TOK.apply_chat_template([{"role": "user", "content": content}])
+    return TOK.encode(text)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine(max_model_len=128, step_delay_s=0.002)
+    with serve_in_thread(engine, MODEL, max_concurrency=64) as (url, async_engine):
+        yield url, engine, async_engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=20)
+
+
+def test_health_models_and_server_info(server, client):
+    url, engine, _ = server
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    info = get_json(url, "/v1/server_info")
+    assert info["max_model_len"] == 128 and info["graph_plan"]["reasons"] == ["fake engine"]
+    assert "model_config" in info["config"]
+
+
+def test_chat_completion_text_and_usage(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7, temperature=0
+    )
+    ids = chat_prompt_ids("hi")
+    assert resp.choices[0].message.content == expected_text(ids, 7)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == 7 and resp.usage.total_tokens == len(ids) + 7
+
+
+def test_max_completion_tokens_wins(client):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=9,
+        max_completion_tokens=3,
+    )
+    assert resp.usage.completion_tokens == 3
+
+
+def test_chat_stream_equals_non_stream_with_usage_chunk(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "stream me"}], max_tokens=12)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_sse_wire_format(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events[:-1])
+
+
+def test_completion_text_token_ids_and_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, logprobs=2)
+    assert resp.choices[0].text == expected_text(TOK.encode("abc"), 5)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == 5 and lp.token_logprobs == [-0.25] * 5
+    assert len(lp.top_logprobs[0]) == 2
+    by_ids = client.completions.create(model=MODEL, prompt=TOK.encode("abc"), max_tokens=5)
+    assert by_ids.choices[0].text == resp.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == resp.choices[0].text
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "q"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == list(resp.choices[0].message.content)
+    assert all(len(c.top_logprobs) == 1 for c in content)
+
+
+def test_stop_string_finishes_request_in_engine(server, client):
+    _, engine, _ = server
+    ids = chat_prompt_ids("stop test")
+    full = expected_text(ids, 20)
+    stop = full[5:7]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stop test"}], max_tokens=20, stop=stop
+    )
+    assert resp.choices[0].message.content == full[: full.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+    wait_until(lambda: resp.id in engine.finished_early, 5, "engine.finish_request for stop")
+
+
+def test_concurrent_requests_are_independent(client):
+    prompts = [f"prompt number {i}" for i in range(8)]
+
+    def run(p):
+        return (
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=10
+            )
+            .choices[0]
+            .message.content
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, prompts))
+    assert results == [expected_text(chat_prompt_ids(p), 10) for p in prompts]
+
+
+BAD_INPUTS = [
+    # (body or raw bytes, status, words the message must contain, param)
+    (b'{"messages": [', 400, ["malformed JSON"], None),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+        400,
+        ["temperature"],
+        "temperature",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"},
+        400,
+        ["max_tokens"],
+        "max_tokens",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+        400,
+        ["unknown field", "frobnicate"],
+        "frobnicate",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, ["n=2"], "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, ["top_p"], "top_p"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, ["128", "max_model_len"], None),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, ["gpt-9"], "model"),
+    ({}, 400, ["messages"], "messages"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "stop": 5},
+        400,
+        ["stop: expected str or list[str]"],
+        "stop",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        ["logprobs"],
+        "top_logprobs",
+    ),
+    ({"messages": [{"role": "assistant", "content": "BOOM"}]}, 400, ["template"], "messages"),
+]
+
+
+@pytest.mark.parametrize("body,status,words,param", BAD_INPUTS)
+def test_bad_chat_input(server, body, status, words, param):
+    url = server[0]
+    if isinstance(body, bytes):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            content=body,
+            timeout=10,
+            headers={"content-type": "application/json"},
+        )
+    else:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in err["message"], err
+    if param is not None:
+        assert err["param"] == param
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_bad_completion_input(server):
+    url = server[0]
+    cases = [
+        ({"prompt": ["a", "b"]}, "one per request"),
+        ({"prompt": [5, 999]}, "vocabulary"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "x" * 130}, "130"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+    ]
+    for body, word in cases:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    assert httpx.get(url + "/v1/models", timeout=5).status_code == 200
+    r = httpx.get(url + "/v1/nope", timeout=5)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_metrics_parse_and_move(server, client):
+    url = server[0]
+
+    def samples() -> dict:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    before = samples()
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=4
+    )
+    after = samples()
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("fastdeploy:request_success_total", finished_reason="length") == 1
+    assert delta("fastdeploy:generation_tokens_total") == 4
+    assert delta("fastdeploy:prompt_tokens_total") == len(chat_prompt_ids("m"))
+    assert delta("fastdeploy:time_to_first_token_seconds_count") == 1
+    assert delta("fastdeploy:e2e_request_latency_seconds_count") == 1
+    assert delta("fastdeploy:time_per_output_token_seconds_count") == 3
+    assert delta("fastdeploy:steps_total", mode="eager") >= 4
+    assert delta("fastdeploy:padded_tokens_total") >= 8
+    assert ("fastdeploy:gpu_cache_usage_perc", ()) in after
+
+
+def test_client_disconnect_aborts_and_frees(server):
+    url, engine, async_engine = server
+    engine.step_delay_s = 0.02
+    try:
+        body = {
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 100,
+            "stream": True,
+        }
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            next(lines)
+        request_id = first["id"]
+        wait_until(lambda: request_id in engine.aborted, 5, "the engine to abort the request")
+
+        def idle():
+            info = get_json(url, "/v1/server_info")
+            stats = info["stats"]
+            return (
+                info["num_in_flight"] == 0
+                and stats["num_running"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]
+            )
+
+        wait_until(idle, 5, "no running request and all blocks free")
+    finally:
+        engine.step_delay_s = 0.002
+
+
+def test_engine_calls_stay_on_one_thread(server):
+    _, engine, _ = server
+    assert len(engine.thread_ids) == 1
+    assert threading.get_ident() not in engine.thread_ids
+
+
+def test_queue_full_gives_429_with_retry_after():
+    engine = FakeEngine(step_delay_s=0.05)
+    with serve_in_thread(engine, MODEL, max_concurrency=1) as (url, _):
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+            lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+            next(lines)
+            second = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+            assert second.status_code == 429
+            assert int(second.headers["retry-after"]) >= 1
+            assert "max-concurrency" in second.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_engine_failure_fails_requests_with_503():
+    engine = FakeEngine()
+    with serve_in_thread(engine, MODEL) as (url, _):
+        engine.fail_next_step = True
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 503 and "simulated device failure" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 503
+    assert engine.is_shut_down
+
+
+def test_non_streaming_client_timeout_aborts(server):
+    url, engine, _ = server
+    engine.step_delay_s = 0.02
+    try:
+        body = {"messages": [{"role": "user", "content": "patience"}], "max_tokens": 100}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.3)
+        wait_until(
+            lambda: get_json(url, "/v1/server_info")["num_in_flight"] == 0,
+            5,
+            "the abandoned request to be aborted",
+        )
+        assert engine.aborted
+    finally:
+        engine.step_delay_s = 0.002
+
+
+def test_validation_message_merges_union_branches_only():
+    from fastdeploy.entrypoints.openai.serving_utils import validation_message
+
+    union = [
+        {"type": "string_type", "loc": ("body", "stop", "str"), "msg": "m", "input": 5},
+        {"type": "list_type", "loc": ("body", "stop", "list[str]"), "msg": "m", "input": 5},
+    ]
+    assert validation_message(union) == ("stop: expected str or list[str] (got 5)", "stop")
+    parent = {"x": 1}
+    siblings = [
+        {"type": "missing", "loc": ("body", "messages", 0, "role"), "msg": "m", "input": parent},
+        {"type": "missing", "loc": ("body", "messages", 0, "name"), "msg": "m", "input": parent},
+    ]
+    message, param = validation_message(siblings)
+    assert "'messages.0.role'" in message and "'messages.0.name'" in message
+    assert param == "messages.0.role"

@@ -1,0 +1,53 @@
+"""The ``fastdeploy`` CLI parser: ``serve`` takes exactly the api_server module's arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.entrypoints.cli.main import build_parser
+from fastdeploy.entrypoints.openai.api_server import make_arg_parser, served_name
+
+
+def _options(parser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def test_serve_and_module_share_arguments():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    assert _options(serve) == _options(make_arg_parser())
+    for f in dataclasses.fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in _options(serve)
+
+
+def test_serve_parses_engine_and_server_flags():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9001",
+            "--max-num-seqs",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--graph-optimization-config",
+            '{"use_cudagraph": false}',
+            "--no-enable-prefix-caching",
+        ]
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (args.port, args.max_concurrency, engine_args.max_num_seqs) == (9001, 4, 8)
+    assert engine_args.graph_optimization_config == {"use_cudagraph": False}
+    assert engine_args.enable_prefix_caching is False
+    assert served_name(args) == "SmolLM2-135M-Instruct"
+    assert served_name(build_parser().parse_args(["serve", "--model", "/m/x"])) == "/m/x"
+
+
+def test_serve_rejects_bad_json_and_missing_command(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--graph-optimization-config", "{nope"])
+    assert "not valid JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
