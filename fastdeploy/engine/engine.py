@@ -209,7 +209,7 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
-            "num_total_blocks": self.kv_cache_manager.num_blocks,
+            "num_total_blocks": self.kv_cache_manager.num_usable_blocks,
             "steps_by_mode": dict(runner.steps_by_mode),
             "num_padded_tokens": runner.num_padded_tokens,
         }
