@@ -119,10 +119,15 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
         graph_cfg["cudagraph_capture_sizes_prefill"] = sorted(set(tokens), reverse=True)
         graph_cfg["cudagraph_capture_sizes"] = [1]
     engine_args = EngineArgs(
-        model=model_dir, load_format="dummy", dtype=args.dtype, seed=0,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(8192, max(tokens)),
+        model=model_dir,
+        load_format="dummy",
+        dtype=args.dtype,
+        seed=0,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(8192, max(tokens)),
         max_model_len=max(tokens) + 1 if max(tokens) + 1 <= 8192 else 8192,
-        num_gpu_blocks_override=max(tokens) // 64 + 64, graph_optimization_config=graph_cfg,
+        num_gpu_blocks_override=max(tokens) // 64 + 64,
+        graph_optimization_config=graph_cfg,
         attention_backend=args.attention_backend,
     )
     return LLMEngine(engine_args)
@@ -130,16 +135,22 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m",
-                        help=f"preset ({', '.join(PRESETS)}) or a directory with config.json")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help=f"preset ({', '.join(PRESETS)}) or a directory with config.json",
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--capture-sizes", choices=["default", "tokens"], default="default")
-    parser.add_argument("--all-buckets", action="store_true",
-                        help="also time eager vs piecewise for every captured prefill bucket")
+    parser.add_argument(
+        "--all-buckets",
+        action="store_true",
+        help="also time eager vs piecewise for every captured prefill bucket",
+    )
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
@@ -156,14 +167,25 @@ def main() -> None:
     for n in args.tokens:
         eager, pw = bench.eager(n), bench.piecewise(n)
         floor, how = bench.floor(n)
-        rows.append({"tokens": n, "eager_ms": eager, "piecewise_ms": pw, "floor_ms": floor,
-                     "floor_kind": how})
+        rows.append(
+            {
+                "tokens": n,
+                "eager_ms": eager,
+                "piecewise_ms": pw,
+                "floor_ms": floor,
+                "floor_kind": how,
+            }
+        )
     name = args.model
-    print(f"\nPrefill latency, 1 request | GPU {torch.cuda.get_device_name()} | model {name} "
-          f"(dummy weights) | dtype {args.dtype} | attention {engine.worker.runner.attn_backend.name}"
-          f" | mean of {args.iters} after {args.warmup} warm-up")
-    print(f"{'tokens':>7} {'eager ms':>9} {'piecewise':>10} {'floor ms':>9} {'eager/pw':>9} "
-          f"{'pw/floor':>9}")
+    print(
+        f"\nPrefill latency, 1 request | GPU {torch.cuda.get_device_name()} | model {name} "
+        f"(dummy weights) | dtype {args.dtype} | attention {engine.worker.runner.attn_backend.name}"
+        f" | mean of {args.iters} after {args.warmup} warm-up"
+    )
+    print(
+        f"{'tokens':>7} {'eager ms':>9} {'piecewise':>10} {'floor ms':>9} {'eager/pw':>9} "
+        f"{'pw/floor':>9}"
+    )
     for r in rows:
         pw = r["piecewise_ms"]
         pw_s = f"{pw:10.3f}" if pw else f"{'eager':>10}"
@@ -172,9 +194,11 @@ def main() -> None:
         mark = "" if r["floor_kind"] == "graph" else " (floor: kernel sum)"
         print(f"{r['tokens']:>7} {r['eager_ms']:9.3f} {pw_s} {r['floor_ms']:9.3f} {sp} {fl}{mark}")
     if graphs is not None:
-        print(f"capture: {graphs.num_graphs()} graphs ({len(graphs.piecewise)} prefill buckets, "
-              f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
-              f"{graphs.memory_bytes / 2**20:.1f} MiB")
+        print(
+            f"capture: {graphs.num_graphs()} graphs ({len(graphs.piecewise)} prefill buckets, "
+            f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
+            f"{graphs.memory_bytes / 2**20:.1f} MiB"
+        )
     result = {"rows": rows}
     if args.all_buckets and graphs is not None:
         worst = []
@@ -183,11 +207,15 @@ def main() -> None:
             worst.append((p / e, n, e, p))
         worst.sort(reverse=True)
         slower = [w for w in worst if w[0] > 1.02]
-        print(f"all {len(worst)} prefill buckets: worst piecewise/eager = {worst[0][0]:.3f} at "
-              f"{worst[0][1]} tokens; buckets more than 2% slower than eager: "
-              f"{[w[1] for w in slower] or 'none'}")
-        result["all_buckets"] = [{"tokens": n, "eager_ms": e, "piecewise_ms": p}
-                                 for _, n, e, p in sorted(worst, key=lambda w: w[1])]
+        print(
+            f"all {len(worst)} prefill buckets: worst piecewise/eager = {worst[0][0]:.3f} at "
+            f"{worst[0][1]} tokens; buckets more than 2% slower than eager: "
+            f"{[w[1] for w in slower] or 'none'}"
+        )
+        result["all_buckets"] = [
+            {"tokens": n, "eager_ms": e, "piecewise_ms": p}
+            for _, n, e, p in sorted(worst, key=lambda w: w[1])
+        ]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     engine.shutdown()

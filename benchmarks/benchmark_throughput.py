@@ -46,10 +46,14 @@ def main() -> None:
     def length(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio))))
 
-    prompts = [[rng.randrange(vocab) for _ in range(length(args.input_len))]
-               for _ in range(args.num_prompts)]
-    params = [SamplingParams(temperature=0, max_tokens=length(args.output_len), ignore_eos=True)
-              for _ in prompts]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(length(args.input_len))]
+        for _ in range(args.num_prompts)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=length(args.output_len), ignore_eos=True)
+        for _ in prompts
+    ]
     llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
 
     start = time.perf_counter()
@@ -61,12 +65,17 @@ def main() -> None:
     rows = [
         ("device", device_name()),
         ("model", f"{model} ({llm.engine.worker.dtype})"),
-        ("workload", f"{args.num_prompts} requests, input ~{args.input_len}, output "
-                     f"~{args.output_len} (+-{args.range_ratio:.0%}), ignore_eos, seed "
-                     f"{args.bench_seed}"),
-        ("max_num_seqs / max_num_batched_tokens",
-         f"{llm.engine.config.scheduler_config.max_num_seqs} / "
-         f"{llm.engine.config.scheduler_config.max_num_batched_tokens}"),
+        (
+            "workload",
+            f"{args.num_prompts} requests, input ~{args.input_len}, output "
+            f"~{args.output_len} (+-{args.range_ratio:.0%}), ignore_eos, seed "
+            f"{args.bench_seed}",
+        ),
+        (
+            "max_num_seqs / max_num_batched_tokens",
+            f"{llm.engine.config.scheduler_config.max_num_seqs} / "
+            f"{llm.engine.config.scheduler_config.max_num_batched_tokens}",
+        ),
         ("steps by mode", json.dumps(llm.engine.get_stats()["steps_by_mode"])),
         ("wall time (s)", f"{elapsed:.2f}"),
         ("input tokens", str(n_in)),

@@ -2,9 +2,10 @@
 
 ``LLMEngine.step()`` asks the scheduler for a batch, runs it on the worker, appends the sampled
 tokens and finishes requests that hit eos, a stop token id, ``max_tokens`` or ``max_model_len``.
-Stop *strings* need detokenised text, so :class:`~fastdeploy.engine.output_processor.OutputProcessor`
-finds them and calls :meth:`LLMEngine.finish_request`. The engine itself never tokenises or
-detokenises; it holds the tokenizer only to hand it to front ends.
+Stop *strings* need detokenised text, so
+:class:`~fastdeploy.engine.output_processor.OutputProcessor` finds them and calls
+:meth:`LLMEngine.finish_request`. The engine itself never tokenises or detokenises; it holds
+the tokenizer only to hand it to front ends.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from fastdeploy.config import FDConfig
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
@@ -57,7 +57,9 @@ class LLMEngine:
         from fastdeploy.worker.gpu_worker import GpuWorker
 
         engine_args.check_supported()
-        self.config, self.graph_plan, self.source = self.resolve_config(engine_args, with_source=True)
+        self.config, self.graph_plan, self.source = self.resolve_config(
+            engine_args, with_source=True
+        )
         logger.info("graph plan: %s", self.graph_plan.to_dict())
         self.tokenizer = None
         if not engine_args.skip_tokenizer_init:
@@ -74,10 +76,12 @@ class LLMEngine:
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.graph_optimize_and_warm_up_model()
         cache = self.config.cache_config
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
-                                               cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
-                                   self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.config.scheduler_config, self.kv_cache_manager, self.max_model_len
+        )
 
     @staticmethod
     def resolve_config(engine_args: EngineArgs, with_source: bool = False):
@@ -106,8 +110,9 @@ class LLMEngine:
         return ids
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> Request:
         """Queue a request.
 
         Raises:
@@ -122,10 +127,13 @@ class LLMEngine:
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 f"(prompt tokens must be fewer than max_model_len to leave room for output)"
             )
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), sampling_params)
@@ -157,8 +165,16 @@ class LLMEngine:
             logger.error("aborting request %s: %s", e.request_id, e)
             request = self.scheduler.get_request(e.request_id)
             self.scheduler.abort_request(e.request_id)
-            return [EngineOutput(e.request_id, [], None, True, "abort",
-                                 request.num_prompt_tokens if request else 0)]
+            return [
+                EngineOutput(
+                    e.request_id,
+                    [],
+                    None,
+                    True,
+                    "abort",
+                    request.num_prompt_tokens if request else 0,
+                )
+            ]
         if sched.is_empty:
             return []
         sampled = self.worker.execute_model(sched)
@@ -179,11 +195,17 @@ class LLMEngine:
             if status is not None:
                 request.finish_time = now
                 self.scheduler.finish_request(request, status)
-            outputs.append(EngineOutput(
-                rid, [tok.token_id], logprobs, status is not None,
-                status.value if status is not None else None,
-                request.num_prompt_tokens, request.num_cached_tokens,
-            ))
+            outputs.append(
+                EngineOutput(
+                    rid,
+                    [tok.token_id],
+                    logprobs,
+                    status is not None,
+                    status.value if status is not None else None,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                )
+            )
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -75,8 +75,9 @@ class _Detokenizer:
 
 class _State:
     def __init__(self, request_id, prompt, prompt_token_ids, params, tokenizer) -> None:
-        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids),
-                                    [CompletionOutput(index=0)])
+        self.output = RequestOutput(
+            request_id, prompt, list(prompt_token_ids), [CompletionOutput(index=0)]
+        )
         self.params = params
         self.detok = _Detokenizer(tokenizer, params)
         self.sent = 0  # characters of text already streamed
@@ -94,11 +95,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+    ) -> None:
         """Start tracking a request (call right after ``engine.add_request``)."""
-        self._states[request_id] = _State(request_id, prompt, prompt_token_ids, sampling_params,
-                                          self.tokenizer)
+        self._states[request_id] = _State(
+            request_id, prompt, prompt_token_ids, sampling_params, self.tokenizer
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Stop tracking a request."""

@@ -39,22 +39,46 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         check(self.n == 1, "n", self.n, "1")
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-              "temperature", self.temperature, "a number >= 0")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", self.top_p,
-              "a number in (0, 1]")
-        check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-              self.top_k, "an integer >= 0, or -1 (disabled)")
+        check(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "a number >= 0",
+        )
+        check(
+            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            "top_p",
+            self.top_p,
+            "a number in (0, 1]",
+        )
+        check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            self.top_k,
+            "an integer >= 0, or -1 (disabled)",
+        )
         check_int("seed", self.seed, minimum=0, optional=True)
         check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
         check_int("min_tokens", self.min_tokens, minimum=0)
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              "stop", self.stop, "a string or a list of non-empty strings")
-        check(isinstance(self.stop_token_ids, list)
-              and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-              "logprobs", self.logprobs, "null or an integer in [0, 20]")
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "a string or a list of non-empty strings",
+        )
+        check(
+            isinstance(self.stop_token_ids, list)
+            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a list of token ids >= 0",
+        )
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            self.logprobs,
+            "null or an integer in [0, 20]",
+        )
 
     @property
     def greedy(self) -> bool:

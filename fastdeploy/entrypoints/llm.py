@@ -68,8 +68,9 @@ class LLM:
         several, using the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(
+                c, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -77,8 +78,9 @@ class LLM:
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True); "
-                                 "pass token ids")
+                raise ValueError(
+                    "text prompts need a tokenizer (skip_tokenizer_init=True); pass token ids"
+                )
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         return None, list(prompt)
 

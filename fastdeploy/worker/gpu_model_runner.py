@@ -41,8 +41,14 @@ class GPUModelRunner:
         seed: seed of the engine-wide generator used by unseeded sampled requests.
     """
 
-    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend,
-                 buffers: InputBuffers, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend: AttentionBackend,
+        buffers: InputBuffers,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.buffers = buffers
@@ -141,11 +147,13 @@ class GPUModelRunner:
             gens.append(gen)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=self.device),
+            temperature=torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=self.device
+            ),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64,
-                               device=self.device),
+            top_k=torch.tensor(
+                [max(p.top_k, 0) for p in params], dtype=torch.int64, device=self.device
+            ),
             generators=gens,
             all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max(logprobs) if logprobs else None,

@@ -40,8 +40,9 @@ def resolve_dtype(dtype: str, device_type: str, hf_config) -> torch.dtype:
     return get_platform(device_type).default_dtype
 
 
-def dummy_step(num_reqs: int, tokens_per_req: int, block_size: int, first_block: int = 1,
-               decode: bool = False) -> SchedulerOutput:
+def dummy_step(
+    num_reqs: int, tokens_per_req: int, block_size: int, first_block: int = 1, decode: bool = False
+) -> SchedulerOutput:
     """A synthetic step of ``num_reqs`` requests of ``tokens_per_req`` new tokens each, with
     consecutive blocks from ``first_block`` (for profiling and graph capture). With ``decode``
     each request has a one-token KV history, so the step looks like a decode step."""
@@ -74,7 +75,7 @@ class GpuWorker:
         self.graph_plan = graph_plan
         self.device = torch.device(config.device_config.resolved_device)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         hf = model_source.hf_config
         self.dtype = resolve_dtype(config.model_config.dtype, self.device.type, hf)
         self.num_layers = hf.num_hidden_layers
@@ -97,16 +98,31 @@ class GpuWorker:
         max_blocks_per_seq = math.ceil(cfg.model_config.max_model_len / block_size)
         extra = {}
         if backend_cls.supports_graph_decode:  # sizes of its fixed graph metadata buffers
-            extra = {"max_num_reqs": sched.max_num_seqs,
-                     "max_num_blocks": sched.max_num_seqs * max_blocks_per_seq}
-        backend = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, block_size,
-                              self.dtype, self.device, **extra)
+            extra = {
+                "max_num_reqs": sched.max_num_seqs,
+                "max_num_blocks": sched.max_num_seqs * max_blocks_per_seq,
+            }
+        backend = backend_cls(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            block_size,
+            self.dtype,
+            self.device,
+            **extra,
+        )
         if self.graph_plan.decode_graphs and not backend.supports_graph_decode:
             # Only reached when flashinfer was expected but is missing (the selector fell back).
             self.graph_plan = dataclasses.replace(
-                self.graph_plan, decode_graphs=False, decode_capture_sizes=[],
-                reasons=[*self.graph_plan.reasons, f"decode graphs off: the {backend.name} "
-                         "attention backend cannot run inside a full CUDA graph"])
+                self.graph_plan,
+                decode_graphs=False,
+                decode_capture_sizes=[],
+                reasons=[
+                    *self.graph_plan.reasons,
+                    f"decode graphs off: the {backend.name} "
+                    "attention backend cannot run inside a full CUDA graph",
+                ],
+            )
             logger.warning("%s", self.graph_plan.reasons[-1])
         max_tokens = max([sched.max_num_batched_tokens, *self.graph_plan.prefill_capture_sizes])
         buffers = InputBuffers(
@@ -117,15 +133,27 @@ class GpuWorker:
             device=self.device,
         )
         self.runner = GPUModelRunner(model, backend, buffers, self.device, cfg.model_config.seed)
-        logger.info("loaded %s: %d layers, dtype %s, attention backend %s, device %s",
-                    self.source.path, self.num_layers, self.dtype, backend.name, self.device)
+        logger.info(
+            "loaded %s: %d layers, dtype %s, attention backend %s, device %s",
+            self.source.path,
+            self.num_layers,
+            self.dtype,
+            backend.name,
+            self.device,
+        )
 
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block over all layers."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.config.cache_config.block_size * self.num_kv_heads * self.head_dim * elem \
+        return (
+            2
+            * self.config.cache_config.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * elem
             * self.num_layers
+        )
 
     def blocks_needed_at_most(self) -> int:
         """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` (+1 reserved null block)."""
@@ -154,8 +182,9 @@ class GpuWorker:
         min_blocks = math.ceil(cfg.model_config.max_model_len / cfg.cache_config.block_size) + 1
         if num_blocks < min_blocks:
             raise RuntimeError(
-                f"the KV cache fits {num_blocks} blocks of {cfg.cache_config.block_size} tokens, but "
-                f"one sequence of max_model_len={cfg.model_config.max_model_len} needs {min_blocks}; "
+                f"the KV cache fits {num_blocks} blocks of {cfg.cache_config.block_size} tokens, "
+                f"but one sequence of max_model_len={cfg.model_config.max_model_len} needs "
+                f"{min_blocks}; "
                 "lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization "
                 "(or FD_CPU_KV_CACHE_SPACE on CPU), or set num_gpu_blocks_override"
             )
@@ -180,13 +209,21 @@ class GpuWorker:
         profile_kv = blocks * self.bytes_per_block
         activations = peak - weights - profile_kv
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        budget = int(total * cfg.cache_config.gpu_memory_utilization) - weights - activations \
+        budget = (
+            int(total * cfg.cache_config.gpu_memory_utilization)
+            - weights
+            - activations
             - max(non_torch, 0)
+        )
         logger.info(
             "memory: total %.2f GiB, weights %.2f GiB, activations (peak) %.2f GiB, "
             "other %.2f GiB, KV budget %.2f GiB at gpu_memory_utilization=%.2f",
-            total / GiB, weights / GiB, activations / GiB, max(non_torch, 0) / GiB,
-            budget / GiB, cfg.cache_config.gpu_memory_utilization,
+            total / GiB,
+            weights / GiB,
+            activations / GiB,
+            max(non_torch, 0) / GiB,
+            budget / GiB,
+            cfg.cache_config.gpu_memory_utilization,
         )
         return max(budget, 0)
 
@@ -203,8 +240,12 @@ class GpuWorker:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks x %d tokens, %.2f GiB", num_blocks,
-                    self.config.cache_config.block_size, num_blocks * self.bytes_per_block / GiB)
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.2f GiB",
+            num_blocks,
+            self.config.cache_config.block_size,
+            num_blocks * self.bytes_per_block / GiB,
+        )
 
     # ------------------------------------------------------------- warm-up
     def graph_optimize_and_warm_up_model(self) -> None:

@@ -1,7 +1,8 @@
 """Persistent, maximum-size input buffers of the model runner and the per-step copy into them.
 
 The buffers are allocated once; every step writes into them in place, so a CUDA graph replay reads
-the same addresses that its capture saw. Padding rule (the only one): a step of ``n`` real tokens run
+the same addresses that its capture saw. Padding rule (the only one): a step of ``n`` real
+tokens run
 as a bucket of ``padded`` tokens has rows ``n..padded-1`` with token id 0, position 0 and slot -1
 (no KV written); their outputs are sliced off.
 """
@@ -50,8 +51,14 @@ class InputBuffers:
         device: where the buffers live.
     """
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -118,7 +125,9 @@ class InputBuffers:
             tables[i, len(blocks) :] = 0
         block_idx = tables[req_of_token, positions // self.block_size]
         slots = self.slot_mapping_cpu.numpy()
-        slots[:num_tokens] = block_idx.astype(np.int64) * self.block_size + positions % self.block_size
+        slots[:num_tokens] = (
+            block_idx.astype(np.int64) * self.block_size + positions % self.block_size
+        )
         slots[num_tokens:padded] = -1
         self.positions_cpu.numpy()[:num_tokens] = positions
         self.positions_cpu.numpy()[num_tokens:padded] = 0

@@ -20,9 +20,17 @@ NEAR_TIE = 0.06
 
 def make_llm(model_dir: str, **kwargs) -> LLM:
     """An LLM on CUDA with the dummy weights of ``model_dir`` (bf16, seed 0)."""
-    args = dict(model=model_dir, load_format="dummy", dtype="bfloat16", seed=0,
-                skip_tokenizer_init=True, max_num_seqs=16, max_model_len=1024,
-                max_num_batched_tokens=512, device="cuda")
+    args = dict(
+        model=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_num_seqs=16,
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        device="cuda",
+    )
     args.update(kwargs)
     return LLM(**args)
 

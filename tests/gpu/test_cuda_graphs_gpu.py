@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fastdeploy import SamplingParams
-from fastdeploy.engine.request import Request
-from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 from gpu_utils import (
     GRAPH_LOGIT_ATOL,
     assert_greedy_matches_hf,
@@ -20,6 +16,10 @@ from gpu_utils import (
     preset_dir,
     random_prompts,
 )
+
+from fastdeploy import SamplingParams
+from fastdeploy.engine.request import Request
+from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,8 +79,13 @@ class StepBuilder:
         before = dict(runner.steps_by_mode)
         try:
             hidden, inputs = runner._forward(sched)
-            rows = torch.tensor([sum(s.num_new_tokens for s in sched.scheduled[: i + 1]) - 1
-                                 for i in range(len(sched.scheduled))], device=hidden.device)
+            rows = torch.tensor(
+                [
+                    sum(s.num_new_tokens for s in sched.scheduled[: i + 1]) - 1
+                    for i in range(len(sched.scheduled))
+                ],
+                device=hidden.device,
+            )
             out = runner.model.compute_logits(hidden[rows]).float().clone()
         finally:
             runner.graph_runner = saved
@@ -108,8 +113,9 @@ def test_graph_replay_logits_equal_eager(llm):
     r = b.request(50)
     diffs["prefill, 50 padded to 56"] = compare(b, b.step((r, 0, 50)), "piecewise")
     r1, r2, r3 = b.request(20), b.request(33), b.request(7)
-    diffs["3 prefills, 60 -> 64"] = compare(b, b.step((r1, 0, 20), (r2, 0, 33), (r3, 0, 7)),
-                                            "piecewise")
+    diffs["3 prefills, 60 -> 64"] = compare(
+        b, b.step((r1, 0, 20), (r2, 0, 33), (r3, 0, 7)), "piecewise"
+    )
     a, c = b.request(41), b.request(30)
     b.fill(a, 40)
     diffs["mixed: decode + prefill"] = compare(b, b.step((a, 40, 1), (c, 0, 30)), "piecewise")
@@ -123,7 +129,8 @@ def test_graph_replay_logits_equal_eager(llm):
     for q in decs:
         b.fill(q, q.num_prompt_tokens - 1)
     diffs["decode batch 5 -> bucket 8"] = compare(
-        b, b.step(*[(q, q.num_prompt_tokens - 1, 1) for q in decs]), "full")
+        b, b.step(*[(q, q.num_prompt_tokens - 1, 1) for q in decs]), "full"
+    )
     print("max |logit graph - eager|:", {k: round(v, 5) for k, v in diffs.items()})
 
 
@@ -133,8 +140,9 @@ def test_greedy_graphs_on_equal_off_and_transformers(llm, model_dir):
     on = greedy(llm, prompts, 32)
     after = llm.engine.get_stats()["steps_by_mode"]
     assert after["full"] > before["full"] and after["piecewise"] > before["piecewise"]
-    off_llm = make_llm(model_dir, graph_optimization_config={"use_cudagraph": False},
-                       num_gpu_blocks_override=512)
+    off_llm = make_llm(
+        model_dir, graph_optimization_config={"use_cudagraph": False}, num_gpu_blocks_override=512
+    )
     try:
         off = greedy(off_llm, prompts, 32)
         hf = hf_reference(off_llm, model_dir)
@@ -169,13 +177,23 @@ def test_no_capture_outside_warm_up(llm):
 
 def test_engine_create_destroy_create(model_dir):
     prompts = random_prompts(2, 49152, 10, 40, seed=11)
-    first = make_llm(model_dir, graph_optimization_config=GRAPHS, num_gpu_blocks_override=256,
-                     max_num_seqs=4, max_num_batched_tokens=128)
+    first = make_llm(
+        model_dir,
+        graph_optimization_config=GRAPHS,
+        num_gpu_blocks_override=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+    )
     out1 = greedy(first, prompts, 8)
     first.engine.shutdown()
     del first
-    second = make_llm(model_dir, graph_optimization_config=GRAPHS, num_gpu_blocks_override=256,
-                      max_num_seqs=4, max_num_batched_tokens=128)
+    second = make_llm(
+        model_dir,
+        graph_optimization_config=GRAPHS,
+        num_gpu_blocks_override=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+    )
     try:
         assert greedy(second, prompts, 8) == out1
     finally:

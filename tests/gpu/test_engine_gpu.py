@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fastdeploy import SamplingParams
 from gpu_utils import (
     assert_greedy_matches_hf,
     greedy,
@@ -17,6 +15,8 @@ from gpu_utils import (
     preset_dir,
     random_prompts,
 )
+
+from fastdeploy import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,8 +59,12 @@ def test_torch_native_backend_agrees_on_gpu(engine_and_hf, tmp_path_factory):
     name, model_dir, llm, hf = engine_and_hf
     prompts = random_prompts(4, llm.engine.vocab_size, 8, 200, seed=1)
     fi = greedy(llm, prompts, 32)
-    native = make_llm(model_dir, graph_optimization_config=NO_GRAPHS, num_gpu_blocks_override=256,
-                      attention_backend="torch_native")
+    native = make_llm(
+        model_dir,
+        graph_optimization_config=NO_GRAPHS,
+        num_gpu_blocks_override=256,
+        attention_backend="torch_native",
+    )
     try:
         nat = greedy(native, prompts, 32)
     finally:
@@ -78,8 +82,13 @@ def test_batching_chunking_and_mixed_steps_equal_single_runs(engine_and_hf, tmp_
     prompts = random_prompts(6, llm.engine.vocab_size, 20, 300, seed=2)
     singles = [greedy(llm, [p], 24)[0] for p in prompts]
     batched = greedy(llm, prompts, 24)  # mixed lengths, prefill + decode mixed across steps
-    chunked_llm = make_llm(model_dir, graph_optimization_config=NO_GRAPHS,
-                           num_gpu_blocks_override=256, max_num_batched_tokens=64, max_num_seqs=16)
+    chunked_llm = make_llm(
+        model_dir,
+        graph_optimization_config=NO_GRAPHS,
+        num_gpu_blocks_override=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+    )
     try:
         chunked = greedy(chunked_llm, prompts, 24)
         steps = chunked_llm.engine.get_stats()["steps_by_mode"]["eager"]
@@ -107,14 +116,22 @@ def test_seeded_sampling_reproducible(engine_and_hf):
 def test_memory_sizing_from_gpu_memory_utilization(tmp_path_factory):
     # 256 sequences of 8192 tokens would need ~48 GiB of KV: the budget, not the cap, decides.
     model_dir = preset_dir(tmp_path_factory, "smollm2-135m")
-    llm = make_llm(model_dir, graph_optimization_config=NO_GRAPHS, gpu_memory_utilization=0.2,
-                   max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=2048)
+    llm = make_llm(
+        model_dir,
+        graph_optimization_config=NO_GRAPHS,
+        gpu_memory_utilization=0.2,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
     try:
         worker = llm.engine.worker
         total = torch.cuda.mem_get_info()[1]
         kv_bytes = worker.num_blocks * worker.bytes_per_block
-        print(f"KV cache at gpu_memory_utilization=0.2 of {total / 2**30:.1f} GiB: "
-              f"{worker.num_blocks} blocks, {kv_bytes / 2**30:.2f} GiB")
+        print(
+            f"KV cache at gpu_memory_utilization=0.2 of {total / 2**30:.1f} GiB: "
+            f"{worker.num_blocks} blocks, {kv_bytes / 2**30:.2f} GiB"
+        )
         assert worker.num_blocks < worker.blocks_needed_at_most()
         assert 0.2 * total - 3 * 2**30 <= kv_bytes <= 0.2 * total
         out = greedy(llm, random_prompts(2, llm.engine.vocab_size, 10, 20), 4)

@@ -15,8 +15,10 @@ from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-KNOBS = ("max_num_seqs, cudagraph_capture_sizes / cudagraph_capture_sizes_prefill, "
-         "gpu_memory_utilization, or use_cudagraph=false")
+KNOBS = (
+    "max_num_seqs, cudagraph_capture_sizes / cudagraph_capture_sizes_prefill, "
+    "gpu_memory_utilization, or use_cudagraph=false"
+)
 
 
 @contextlib.contextmanager
@@ -88,7 +90,11 @@ def capture_all(worker) -> CudaGraphRunner:
     start = time.perf_counter()
     graphs.begin_capture()
     try:
-        with frozen_gc(), torch.inference_mode(), tqdm(total=total, desc="Capturing CUDA graphs") as bar:
+        with (
+            frozen_gc(),
+            torch.inference_mode(),
+            tqdm(total=total, desc="Capturing CUDA graphs") as bar,
+        ):
             if plan.prefill_graphs:
                 runner.capture_model_prefill_and_mixed(graphs, bar)
             if plan.decode_graphs:
@@ -108,8 +114,12 @@ def capture_all(worker) -> CudaGraphRunner:
     graphs.memory_bytes = used
     logger.info(
         "captured %d CUDA graphs (%d prefill buckets, %d decode buckets) in %.2f s, "
-        "graph memory %.1f MiB", graphs.num_graphs(), len(graphs.piecewise), len(graphs.full),
-        elapsed, used / 2**20,
+        "graph memory %.1f MiB",
+        graphs.num_graphs(),
+        len(graphs.piecewise),
+        len(graphs.full),
+        elapsed,
+        used / 2**20,
     )
     runner.graph_runner = graphs
     return graphs

@@ -20,8 +20,14 @@ class FullGraph:
         graph_metadata: what the backend returned for this bucket.
     """
 
-    def __init__(self, batch_size: int, model: torch.nn.Module, input_ids: torch.Tensor,
-                 positions: torch.Tensor, graph_metadata: Any) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        graph_metadata: Any,
+    ) -> None:
         self.batch_size = batch_size
         self.model = model
         self.input_ids = input_ids

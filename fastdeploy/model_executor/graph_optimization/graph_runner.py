@@ -65,12 +65,15 @@ class CudaGraphRunner:
 
     def _check_order(self, kind: str, size: int) -> None:
         if not self._capturing:
-            raise RuntimeError(f"capture of {kind} bucket {size} outside warm-up: buckets are "
-                               "captured during warm-up only, never lazily while serving")
+            raise RuntimeError(
+                f"capture of {kind} bucket {size} outside warm-up: buckets are "
+                "captured during warm-up only, never lazily while serving"
+            )
         prev = [s for k, s in self.capture_log if k == kind]
         if prev and size >= prev[-1]:
-            raise RuntimeError(f"{kind} buckets must be captured largest first; {size} came after "
-                               f"{prev[-1]}")
+            raise RuntimeError(
+                f"{kind} buckets must be captured largest first; {size} came after {prev[-1]}"
+            )
         self.capture_log.append((kind, size))
 
     def segment_buffers(self) -> SegmentBuffers:
@@ -78,9 +81,12 @@ class CudaGraphRunner:
             backend = self.runner.attn_backend
             hidden = self.runner.model.embed_tokens.weight.shape[1]
             self._bufs = SegmentBuffers(
-                max(self.plan.prefill_capture_sizes), hidden,
-                backend.num_heads * backend.head_dim, backend.num_kv_heads * backend.head_dim,
-                backend.dtype, backend.device,
+                max(self.plan.prefill_capture_sizes),
+                hidden,
+                backend.num_heads * backend.head_dim,
+                backend.num_kv_heads * backend.head_dim,
+                backend.dtype,
+                backend.device,
             )
         return self._bufs
 
@@ -91,12 +97,14 @@ class CudaGraphRunner:
         runner = self.runner
         inputs = runner.buffers.prepare(sched, padded=num_tokens)
         meta = runner.build_forward_meta(inputs, "piecewise")
-        segments = make_segments(runner.model, self.segment_buffers(), inputs.input_ids,
-                                 inputs.positions)
+        segments = make_segments(
+            runner.model, self.segment_buffers(), inputs.input_ids, inputs.positions
+        )
         if self.graph_opt_level > 0:
             mode = "max-autotune-no-cudagraphs" if self.graph_opt_level == 2 else None
-            segments = [torch.compile(s, fullgraph=True, dynamic=False, mode=mode)
-                        for s in segments]
+            segments = [
+                torch.compile(s, fullgraph=True, dynamic=False, mode=mode) for s in segments
+            ]
         graph = PiecewiseGraph(num_tokens, segments, self.segment_buffers(), self.attn_layers)
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):

@@ -34,8 +34,15 @@ class SegmentBuffers:
         (the attention output the next segment reads), all of the model dtype.
     """
 
-    def __init__(self, max_tokens: int, hidden_size: int, q_size: int, kv_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        hidden_size: int,
+        q_size: int,
+        kv_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         def buf(width: int) -> torch.Tensor:
             return torch.zeros(max_tokens, width, dtype=dtype, device=device)
 
@@ -43,8 +50,9 @@ class SegmentBuffers:
         self.residual, self.hidden, self.attn = buf(hidden_size), buf(hidden_size), buf(q_size)
 
 
-def make_segments(model: torch.nn.Module, bufs: SegmentBuffers, input_ids: torch.Tensor,
-                  positions: torch.Tensor) -> list[Callable[[], None]]:
+def make_segments(
+    model: torch.nn.Module, bufs: SegmentBuffers, input_ids: torch.Tensor, positions: torch.Tensor
+) -> list[Callable[[], None]]:
     """The ``L + 1`` segment callables for a bucket of ``n = input_ids.numel()`` tokens.
 
     Each callable takes no argument: it reads ``input_ids``/``positions`` (views of the runner's
@@ -89,8 +97,13 @@ class PiecewiseGraph:
         attn_layers: the model's attention layers in order (their ``layer_idx`` picks the cache).
     """
 
-    def __init__(self, num_tokens: int, segments: list[Callable[[], None]], bufs: SegmentBuffers,
-                 attn_layers: list) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        segments: list[Callable[[], None]],
+        bufs: SegmentBuffers,
+        attn_layers: list,
+    ) -> None:
         self.num_tokens = num_tokens
         self.segments = segments
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -129,8 +142,12 @@ class PiecewiseGraph:
     def _attention(self, i: int, forward_meta) -> None:
         # The split op: about one kernel launch of Python, writing where segment i+1 reads.
         out = forward_meta.attn_backend.forward(
-            self.q, self.k, self.v, forward_meta.kv_caches[self.layer_ids[i]],
-            forward_meta.attn_metadata, out=self.attn,
+            self.q,
+            self.k,
+            self.v,
+            forward_meta.kv_caches[self.layer_ids[i]],
+            forward_meta.attn_metadata,
+            out=self.attn,
         )
         if out.data_ptr() != self.attn.data_ptr():
             self.attn.copy_(out)

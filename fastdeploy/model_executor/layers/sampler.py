@@ -40,7 +40,9 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask ``logits`` ``[N, V]`` outside each row's top-k and nucleus (top-p) set with ``-inf``.
 
     Top-p keeps the smallest set of most likely tokens whose probability mass reaches ``top_p``
@@ -69,7 +71,8 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from ``logits`` float32 ``[N, V]``; returns token ids int64 ``[N]`` and, when asked,
+        """Sample from ``logits`` float32 ``[N, V]``; returns token ids int64 ``[N]`` and, when
+        asked,
         log-probabilities of the raw (untempered) distribution."""
         logits = logits.float()
         out = SamplerOutput(token_ids=logits.argmax(dim=-1))

@@ -1,7 +1,8 @@
 """The attention backend interface: one small class per kernel library.
 
 A backend owns its metadata (built once per step from :class:`AttentionBatch`) and the KV cache
-layout. Layers call :meth:`AttentionBackend.forward` once per layer; that call is where piecewise CUDA
+layout. Layers call :meth:`AttentionBackend.forward` once per layer; that call is where
+piecewise CUDA
 graphs split, so it must not depend on anything but the step's metadata and its arguments.
 """
 
@@ -31,7 +32,8 @@ class AttentionBatch:
             token's KV; -1 for padding rows, which write nothing.
         max_query_len / max_seq_len: maxima of the two (host ints).
         is_decode_only: every request adds exactly one token.
-        query_lens_host / seq_lens_host: the same lengths as Python lists, for planning without sync.
+        query_lens_host / seq_lens_host: the same lengths as Python lists, for planning
+            without a device sync.
     """
 
     num_reqs: int
@@ -64,8 +66,15 @@ class AttentionBackend(ABC):
     #: i.e. a whole decode step including attention can be captured in one CUDA graph.
     supports_graph_decode: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -94,8 +103,15 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{self.name} cannot capture decode attention in a CUDA graph")
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Write this step's K/V through the slot mapping, then attend.
 
         Args:

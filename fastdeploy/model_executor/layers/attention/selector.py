@@ -10,9 +10,10 @@ from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
+_PKG = "fastdeploy.model_executor.layers.attention"
 _BACKENDS = {
-    "torch_native": "fastdeploy.model_executor.layers.attention.torch_native:TorchNativeAttentionBackend",
-    "flashinfer": "fastdeploy.model_executor.layers.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "torch_native": f"{_PKG}.torch_native:TorchNativeAttentionBackend",
+    "flashinfer": f"{_PKG}.flashinfer_backend:FlashInferAttentionBackend",
 }
 
 
@@ -43,11 +44,15 @@ def select_attention_backend(requested: str | None, device_type: str) -> type[At
     """
     if requested is not None:
         if requested == "flashinfer" and device_type != "cuda":
-            raise ValueError("attention_backend='flashinfer' needs a CUDA device; on CPU use 'torch_native'")
+            raise ValueError(
+                "attention_backend='flashinfer' needs a CUDA device; on CPU use 'torch_native'"
+            )
         return get_attention_backend_cls(requested)
     if device_type == "cuda":
         if importlib.util.find_spec("flashinfer") is not None:
             return get_attention_backend_cls("flashinfer")
-        logger.warning("flashinfer is not installed; using the torch_native attention backend "
-                       "(pip install flashinfer-python)")
+        logger.warning(
+            "flashinfer is not installed; using the torch_native attention backend "
+            "(pip install flashinfer-python)"
+        )
     return get_attention_backend_cls("torch_native")

