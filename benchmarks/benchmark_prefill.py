@@ -129,6 +129,7 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
         num_gpu_blocks_override=max(tokens) // 64 + 64,
         graph_optimization_config=graph_cfg,
         attention_backend=args.attention_backend,
+        skip_tokenizer_init=True,
     )
     return LLMEngine(engine_args)
 

@@ -209,11 +209,13 @@ class GpuWorker:
         profile_kv = blocks * self.bytes_per_block
         activations = peak - weights - profile_kv
         non_torch = (total - free) - torch.cuda.memory_reserved()
+        graphs = self.estimate_graph_memory(activations)
         budget = (
             int(total * cfg.cache_config.gpu_memory_utilization)
             - weights
             - activations
             - max(non_torch, 0)
+            - graphs
         )
         logger.info(
             "memory: total %.2f GiB, weights %.2f GiB, activations (peak) %.2f GiB, "
@@ -226,6 +228,23 @@ class GpuWorker:
             cfg.cache_config.gpu_memory_utilization,
         )
         return max(budget, 0)
+
+    def estimate_graph_memory(self, activations: int) -> int:
+        """Bytes to keep free for CUDA graphs, taken out of the KV budget so that capture cannot
+        run the device out of memory: the graphs' private pool holds about one forward's
+        activations at the largest bucket (bounded by the profile run's), the shared segment
+        buffers (six ``[max_prefill_bucket, width]`` tensors) and 256 MiB for the decode graphs'
+        attention metadata. The capture log reports the memory actually used."""
+        plan = self.graph_plan
+        if not (plan.prefill_graphs or plan.decode_graphs):
+            return 0
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        hidden = self.source.hf_config.hidden_size
+        width = (
+            2 * hidden + 2 * self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim
+        )
+        max_tokens = max(plan.prefill_capture_sizes, default=0)
+        return activations + max_tokens * width * elem + (256 << 20)
 
     def _profile_step(self) -> SchedulerOutput:
         sched_cfg = self.config.scheduler_config

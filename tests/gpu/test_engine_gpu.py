@@ -98,10 +98,12 @@ def test_batching_chunking_and_mixed_steps_equal_single_runs(engine_and_hf, tmp_
     for label, runs in (("batched", batched), ("chunked", chunked)):
         same = sum(a == b for a, b in zip(singles, runs))
         print(f"{name} {label}: {same}/{len(prompts)} sequences identical to single runs")
+        # A different batch may change bf16 rounding; a divergence must then sit at a near-tie of
+        # the reference: both runs are valid greedy decodes of HF's model.
         for p, a, b in zip(prompts, singles, runs):
             if a != b:
+                assert_greedy_matches_hf(hf, p, a)
                 assert_greedy_matches_hf(hf, p, b)
-        assert same >= len(prompts) - 1
 
 
 def test_seeded_sampling_reproducible(engine_and_hf):
@@ -116,6 +118,8 @@ def test_seeded_sampling_reproducible(engine_and_hf):
 def test_memory_sizing_from_gpu_memory_utilization(tmp_path_factory):
     # 256 sequences of 8192 tokens would need ~48 GiB of KV: the budget, not the cap, decides.
     model_dir = preset_dir(tmp_path_factory, "smollm2-135m")
+    torch.cuda.empty_cache()
+    in_use = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]  # other engines alive
     llm = make_llm(
         model_dir,
         graph_optimization_config=NO_GRAPHS,
@@ -133,7 +137,9 @@ def test_memory_sizing_from_gpu_memory_utilization(tmp_path_factory):
             f"{worker.num_blocks} blocks, {kv_bytes / 2**30:.2f} GiB"
         )
         assert worker.num_blocks < worker.blocks_needed_at_most()
-        assert 0.2 * total - 3 * 2**30 <= kv_bytes <= 0.2 * total
+        # gpu_memory_utilization bounds everything on the device, including what was in use
+        # before this engine started; weights and activations of this model take < 3 GiB.
+        assert 0.2 * total - in_use - 3 * 2**30 <= kv_bytes <= 0.2 * total
         out = greedy(llm, random_prompts(2, llm.engine.vocab_size, 10, 20), 4)
         assert all(len(o) == 4 for o in out)
     finally:

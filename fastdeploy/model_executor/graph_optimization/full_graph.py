@@ -42,9 +42,12 @@ class FullGraph:
 
     def capture(self, forward_meta, pool, stream: torch.cuda.Stream) -> None:
         """Capture ``model(input_ids, positions, forward_meta)`` into one graph."""
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        from fastdeploy.model_executor.graph_optimization.piecewise import capture_graph
+
+        def forward() -> None:
             self.output = self.model(self.input_ids, self.positions, forward_meta)
+
+        self.graph = capture_graph(forward, pool, stream)
 
     def replay(self) -> torch.Tensor:
         """Replay; returns ``[batch_size, hidden]`` (a static tensor: consume before next step)."""

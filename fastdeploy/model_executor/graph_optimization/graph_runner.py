@@ -10,8 +10,10 @@ Dispatch uses host-side scheduler data only (no device sync):
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import time
 
 import torch
 
@@ -49,6 +51,7 @@ class CudaGraphRunner:
         self.piecewise: dict[int, PiecewiseGraph] = {}
         self.full: dict[int, FullGraph] = {}
         self.capture_log: list[tuple[str, int]] = []
+        self.seconds: dict[str, float] = collections.defaultdict(float)  # capture time by phase
         self._capturing = False
         self._bufs: SegmentBuffers | None = None
         self._check_addresses = envs.FD_DEBUG_CUDAGRAPH_ADDRESSES()
@@ -106,11 +109,15 @@ class CudaGraphRunner:
                 torch.compile(s, fullgraph=True, dynamic=False, mode=mode) for s in segments
             ]
         graph = PiecewiseGraph(num_tokens, segments, self.segment_buffers(), self.attn_layers)
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
                 graph.run_eager(meta)
         self.stream.synchronize()
+        t1 = time.perf_counter()
         graph.capture(self.pool, self.stream)
+        self.seconds["prefill warm-up"] += t1 - t0
+        self.seconds["prefill capture"] += time.perf_counter() - t1
         graph.input_ptr = inputs.input_ids.data_ptr()
         self.piecewise[num_tokens] = graph
 
@@ -124,11 +131,15 @@ class CudaGraphRunner:
         meta = runner.build_forward_meta(inputs, "full")
         meta.attn_metadata = backend.plan_graph_decode(graph_meta, inputs.batch, batch_size)
         graph = FullGraph(batch_size, runner.model, inputs.input_ids, inputs.positions, graph_meta)
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
                 graph.run_eager(meta)
         self.stream.synchronize()
+        t1 = time.perf_counter()
         graph.capture(meta, self.pool, self.stream)
+        self.seconds["decode warm-up"] += t1 - t0
+        self.seconds["decode capture"] += time.perf_counter() - t1
         graph.input_ptr = inputs.input_ids.data_ptr()
         self.full[batch_size] = graph
 
