@@ -91,6 +91,16 @@ class Bench:
             return None
         return time_ms(lambda: self.graphs.try_run(self.runner, sched), self.iters, self.warmup)
 
+    def decode(self, batch: int, context: int, graphs: bool) -> float:
+        """Milliseconds of one whole decode step (inputs, forward, logits, greedy sampling) of
+        ``batch`` requests with ``context`` tokens of KV each."""
+        sched = _dummy([1] * batch, context - 1, self.block_size, share_block=False)
+        self.runner.graph_runner = self.graphs if graphs else None
+        try:
+            return time_ms(lambda: self.runner.execute_model(sched), self.iters, self.warmup)
+        finally:
+            self.runner.graph_runner = self.graphs
+
     def floor(self, n: int) -> tuple[float, str]:
         runner = self.runner
         inputs = runner.buffers.prepare(self.step(n))
@@ -126,7 +136,7 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(8192, max(tokens)),
         max_model_len=max(tokens) + 1 if max(tokens) + 1 <= 8192 else 8192,
-        num_gpu_blocks_override=max(tokens) // 64 + 64,
+        num_gpu_blocks_override=max(max(tokens) // 64 + 64, 64 * 9 + 8),
         graph_optimization_config=graph_cfg,
         attention_backend=args.attention_backend,
         skip_tokenizer_init=True,
@@ -152,6 +162,8 @@ def main() -> None:
         action="store_true",
         help="also time eager vs piecewise for every captured prefill bucket",
     )
+    parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument("--decode-context", type=int, default=512, help="KV tokens per request")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
@@ -200,7 +212,22 @@ def main() -> None:
             f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
             f"{graphs.memory_bytes / 2**20:.1f} MiB"
         )
-    result = {"rows": rows}
+    result = {"rows": rows, "decode": []}
+    if args.decode_batches:
+        print(
+            f"\nDecode step, {args.decode_context} tokens of context per request (inputs, "
+            "forward, logits, greedy sampling)"
+        )
+        print(
+            f"{'batch':>6} {'eager ms':>9} {'eager tok/s':>12} {'graph ms':>9} {'graph tok/s':>12}"
+        )
+        for b in args.decode_batches:
+            e, g = (
+                bench.decode(b, args.decode_context, False),
+                bench.decode(b, args.decode_context, True),
+            )
+            print(f"{b:>6} {e:9.3f} {b / e * 1000:12.0f} {g:9.3f} {b / g * 1000:12.0f}")
+            result["decode"].append({"batch": b, "eager_ms": e, "graph_ms": g})
     if args.all_buckets and graphs is not None:
         worst = []
         for n in sorted(graphs.piecewise):
