@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 
 import torch
 
@@ -271,8 +272,17 @@ class GpuWorker:
         """Capture CUDA graphs per the plan (prefill/mixed first, then decode), then reset the
         sampling RNG so a seed gives the same output with and without graphs."""
         if self.graph_plan.prefill_graphs or self.graph_plan.decode_graphs:
-            from fastdeploy.model_executor.graph_optimization.capture import capture_all
+            from fastdeploy.model_executor.graph_optimization.capture import _dummy, capture_all
 
+            # One eager prefill and one eager decode step first: kernel libraries build or load
+            # their kernels on first use (flashinfer's JIT), which is not capture time.
+            start = time.perf_counter()
+            block_size = self.config.cache_config.block_size
+            self.runner.execute_model(_dummy([16], 0, block_size, share_block=False))
+            self.runner.execute_model(_dummy([1, 1], 1, block_size, share_block=True))
+            torch.cuda.synchronize()
+            logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
+            self.runner.steps_by_mode["eager"] -= 2
             capture_all(self)
         self.runner.reset_sampling_state()
 
