@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastdeploy.engine.request import check_prompt
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.metrics import ServerMetrics
 
@@ -207,28 +208,14 @@ class AsyncLLMEngine:
         """
         if self._dead is not None or self._thread is None:
             raise EngineDeadError(str(self._dead or "the engine loop is not running"))
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; it must contain at least one token")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but max_model_len is {self.max_model_len}; the prompt "
-                f"must be shorter than max_model_len to leave room for output"
-            )
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
             raise QueueFullError(self.max_concurrency)
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
         out_queue: asyncio.Queue = asyncio.Queue()
-        self._tracked[request_id] = _Tracked(out_queue, n, time.monotonic())
+        self._tracked[request_id] = _Tracked(out_queue, len(prompt_token_ids), time.monotonic())
         self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params))
         return RequestStream(self, request_id, out_queue)
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.engine.request import Request, RequestStatus, check_prompt
 from fastdeploy.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,21 +119,7 @@ class LLMEngine:
             ValueError: empty prompt, a prompt of ``max_model_len`` tokens or more (no room for
                 one output token), a token id outside the vocabulary, or a duplicate id.
         """
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty; at least one token is required")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
-                f"(prompt tokens must be fewer than max_model_len to leave room for output)"
-            )
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), sampling_params)

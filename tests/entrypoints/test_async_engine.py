@@ -62,7 +62,7 @@ def test_cancelled_consumer_aborts_request():
 def test_admission_checks_are_synchronous():
     async def body(ae):
         params = SamplingParams(max_tokens=100)
-        with pytest.raises(ValueError, match="prompt has 32 tokens but max_model_len is 32"):
+        with pytest.raises(ValueError, match="prompt has 32 tokens, but max_model_len is 32"):
             ae.add_request("a", [65] * 32, params)
         with pytest.raises(ValueError, match="empty"):
             ae.add_request("a", [], params)
