@@ -173,11 +173,13 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         check(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+        from fastdeploy.model_executor.layers.attention.selector import backend_names
+
         check(
-            self.attention_backend is None or isinstance(self.attention_backend, str),
+            self.attention_backend is None or self.attention_backend in backend_names(),
             "attention_backend",
             self.attention_backend,
-            "a backend name or null",
+            ", ".join(backend_names()) + " or null (the platform's default)",
         )
 
     @property
