@@ -155,7 +155,11 @@ class EngineArgs:
         for f in dataclasses.fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
             meta = f.metadata
-            help_text = f"{meta['help']} (default: {f.default})"
+            help_text = (
+                meta["help"]
+                if "default:" in meta["help"]
+                else f"{meta['help']} (default: {f.default})"
+            )
             if isinstance(f.default, bool):
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text

@@ -261,7 +261,7 @@ class GpuWorker:
         ]
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.2f GiB",
+            "KV cache: %d blocks x %d tokens (block 0 is the reserved null block), %.2f GiB",
             num_blocks,
             self.config.cache_config.block_size,
             num_blocks * self.bytes_per_block / GiB,

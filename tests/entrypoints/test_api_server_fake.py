@@ -58,6 +58,24 @@ def test_chat_completion_text_and_usage(client):
     assert resp.usage.completion_tokens == 7 and resp.usage.total_tokens == len(ids) + 7
 
 
+def test_openai_fields_at_their_defaults_are_accepted(client):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logit_bias={},
+        response_format={"type": "text"},
+        store=False,
+        metadata={"k": "v"},
+        parallel_tool_calls=True,
+    )
+    assert resp.usage.completion_tokens == 4
+    done = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, echo=False, best_of=1)
+    assert done.usage.completion_tokens == 3
+
+
 def test_max_completion_tokens_wins(client):
     resp = client.chat.completions.create(
         model=MODEL,
@@ -172,6 +190,18 @@ BAD_INPUTS = [
         "frobnicate",
     ),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, ["n=2"], "n"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
+        400,
+        ["presence_penalty=0.5 is not supported"],
+        "presence_penalty",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        ["tools is not supported"],
+        "tools",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, ["top_p"], "top_p"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, ["128", "max_model_len"], None),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, ["gpt-9"], "model"),

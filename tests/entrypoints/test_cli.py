@@ -51,3 +51,31 @@ def test_serve_rejects_bad_json_and_missing_command(capsys):
     assert "not valid JSON" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
+
+
+def test_bad_port_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", "99999"])
+    assert "--port='99999' is invalid; allowed: 0..65535" in capsys.readouterr().err
+
+
+def test_print_config_of_a_prefill_node_with_swap_space_on_cuda(capsys, monkeypatch):
+    """The plan of a deployment that this build cannot run yet is still printed, with the
+    policy's reasons and what is not supported yet (spec rule 7 on the prefill-node path)."""
+    import json
+
+    from fastdeploy.config import FDConfig
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+
+    monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
+    args = build_parser().parse_args(
+        ["serve", "--print-config", "--device", "cuda", "--splitwise-role", "prefill",
+         "--swap-space", "4", "--graph-optimization-config", '{"full_cuda_graph": false}']
+    )  # fmt: skip
+    assert run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = out["graph_plan"]
+    assert not plan["decode_graphs"] and not plan["prefill_graphs"]
+    assert any("swap_space" in r for r in plan["reasons"])
+    assert "splitwise_role" in out["not_supported_yet"]
+    assert FDConfig.from_dict(out["config"]).parallel_config.splitwise_role == "prefill"

@@ -169,7 +169,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
-    server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    server.add_argument("--port", type=_port, default=8000, help="port to bind (default: 8000)")
     server.add_argument(
         "--served-model-name",
         default=None,
@@ -211,6 +211,17 @@ def served_name(args: argparse.Namespace) -> str:
     return args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
 
 
+def _port(text: str) -> int:
+    """argparse type of ``--port``: an integer in 0..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port={text!r} is invalid; allowed: 0..65535")
+    return port
+
+
 def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
     """``{"config", "graph_plan", "server"}`` for ``--print-config``; reads only the HF config.
 
@@ -218,14 +229,25 @@ def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
     """
     from fastdeploy.engine.engine import LLMEngine
 
-    config, plan = LLMEngine.resolve_config(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    config, plan = LLMEngine.resolve_config(engine_args)
+    try:
+        engine_args.check_supported()
+        not_supported = None
+    except ValueError as e:  # the plan is still shown: a deployment can be checked anywhere
+        not_supported = str(e)
     server = {
         "host": args.host,
         "port": args.port,
         "served_model_name": served_name(args),
         "max_concurrency": args.max_concurrency,
     }
-    return {"config": config.to_dict(), "graph_plan": plan.to_dict(), "server": server}
+    return {
+        "config": config.to_dict(),
+        "graph_plan": plan.to_dict(),
+        "server": server,
+        "not_supported_yet": not_supported,
+    }
 
 
 def run_server(args: argparse.Namespace) -> int:

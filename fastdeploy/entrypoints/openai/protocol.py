@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 
 class StrictModel(BaseModel):
@@ -62,6 +62,46 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None
+    # OpenAI fields that clients often send at their defaults: accepted at the value that changes
+    # nothing, refused ("not supported") otherwise, so no request is silently served differently.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _zero_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v not in (None, 0):
+            raise ValueError(f"{info.field_name}={v} is not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias", "tools")
+    @classmethod
+    def _empty(cls, v, info: ValidationInfo):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported (only null or empty)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('response_format is not supported (only {"type": "text"})')
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError('tool_choice is not supported (only "none" or "auto" without tools)')
+        return v
 
 
 class TextPart(StrictModel):
@@ -95,6 +135,17 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("echo", "suffix", "best_of")
+    @classmethod
+    def _defaults_only(cls, v, info: ValidationInfo):
+        default = {"echo": (False,), "suffix": (None,), "best_of": (None, 1)}[info.field_name]
+        if not any(v is d or (type(v) is int and v == d) for d in default):
+            raise ValueError(f"{info.field_name}={v!r} is not supported")
+        return v
 
 
 # ------------------------------------------------------------------------------------ responses
