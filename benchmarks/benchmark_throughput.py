@@ -56,6 +56,7 @@ def main() -> None:
     ]
     llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
 
+    before = dict(llm.engine.get_stats()["steps_by_mode"])
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -76,7 +77,12 @@ def main() -> None:
             f"{llm.engine.config.scheduler_config.max_num_seqs} / "
             f"{llm.engine.config.scheduler_config.max_num_batched_tokens}",
         ),
-        ("steps by mode", json.dumps(llm.engine.get_stats()["steps_by_mode"])),
+        (
+            "steps by mode",
+            json.dumps(
+                {k: v - before[k] for k, v in llm.engine.get_stats()["steps_by_mode"].items()}
+            ),
+        ),
         ("wall time (s)", f"{elapsed:.2f}"),
         ("input tokens", str(n_in)),
         ("output tokens", str(n_out)),
