@@ -209,3 +209,38 @@ def test_piecewise_segments_compose_to_the_model_forward(llm):
         got = graph.run_eager(meta)[:40]
     assert len(segments) == TINY["num_hidden_layers"] + 1
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_compiled_segments_match_eager_and_all_compile(llm):
+    """graph_opt_level 1 on CPU: every segment is compiled by Inductor (none silently left eager
+    by dynamo's recompile limit, here set to 1 to force the issue) and the composition equals
+    the model's forward. Capture itself needs CUDA; see tests/gpu."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fastdeploy.model_executor.graph_optimization.piecewise import compile_segments
+
+    runner = llm.engine.worker.runner
+    backend = runner.attn_backend
+    sched = _dummy([20, 7, 13], 0, 16, share_block=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode():
+        inputs = runner.buffers.prepare(sched, padded=48)
+        meta = runner.build_forward_meta(inputs, "piecewise")
+        expected = runner.model(inputs.input_ids, inputs.positions, meta)[:40].clone()
+        bufs = SegmentBuffers(
+            64,
+            64,
+            backend.num_heads * backend.head_dim,
+            backend.num_kv_heads * backend.head_dim,
+            backend.dtype,
+            backend.device,
+        )
+        segments = make_segments(runner.model, bufs, inputs.input_ids, inputs.positions)
+        before = counters["stats"]["unique_graphs"]
+        compiled = compile_segments(segments, graph_opt_level=1)
+        graph = PiecewiseGraph(48, compiled, bufs, [layer.attn for layer in runner.model.layers])
+        got = graph.run_eager(meta)[:40]
+        assert counters["stats"]["unique_graphs"] - before == len(segments)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert compile_segments(segments, graph_opt_level=0) is segments

@@ -23,6 +23,7 @@ from fastdeploy.model_executor.graph_optimization.full_graph import FullGraph
 from fastdeploy.model_executor.graph_optimization.piecewise import (
     PiecewiseGraph,
     SegmentBuffers,
+    compile_segments,
     make_segments,
 )
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
@@ -103,11 +104,7 @@ class CudaGraphRunner:
         segments = make_segments(
             runner.model, self.segment_buffers(), inputs.input_ids, inputs.positions
         )
-        if self.graph_opt_level > 0:
-            mode = "max-autotune-no-cudagraphs" if self.graph_opt_level == 2 else None
-            segments = [
-                torch.compile(s, fullgraph=True, dynamic=False, mode=mode) for s in segments
-            ]
+        segments = compile_segments(segments, self.graph_opt_level)
         graph = PiecewiseGraph(num_tokens, segments, self.segment_buffers(), self.attn_layers)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):

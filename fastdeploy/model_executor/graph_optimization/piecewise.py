@@ -106,6 +106,27 @@ def make_segments(
     return [first, *(middle(i) for i in range(1, len(layers))), last]
 
 
+def compile_segments(
+    segments: list[Callable[[], None]], graph_opt_level: int
+) -> list[Callable[[], None]]:
+    """Wrap each segment in ``torch.compile`` (Inductor, its own CUDA graphs off) for
+    ``graph_opt_level`` 1, or 2 with max-autotune; level 0 returns the segments unchanged.
+
+    The middle segments of all layers and buckets share one code object and differ only in the
+    layer they close over, so each is a recompile of it: dynamo's recompile limits are raised to
+    hold them all, or the segments past the limit would silently run uncompiled.
+    """
+    if graph_opt_level == 0:
+        return segments
+    import torch._dynamo.config as dynamo_config
+
+    # Grow the limits by this bucket's segments (the counts accumulate over buckets).
+    dynamo_config.recompile_limit += len(segments)
+    dynamo_config.accumulated_recompile_limit += len(segments)
+    mode = "max-autotune-no-cudagraphs" if graph_opt_level == 2 else None
+    return [torch.compile(s, fullgraph=True, dynamic=False, mode=mode) for s in segments]
+
+
 class PiecewiseGraph:
     """The captured segments of one token bucket, and their replay.
 
