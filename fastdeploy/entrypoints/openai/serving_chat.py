@@ -30,6 +30,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     iterate_closing,
     sampling_params_from,
     sse,
+    sse_events,
 )
 
 
@@ -105,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(dump(body))
 
-    async def _stream(
+    def _stream(
         self,
         stream: Any,
         request_id: str,
@@ -132,9 +133,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
         num_tokens = 0
-        try:
+
+        async def steps() -> AsyncIterator[str]:
+            nonlocal num_tokens
+            yield chunk(DeltaMessage(role="assistant", content=""))
             async for ro in iterate_closing(stream):
                 comp = ro.outputs[0]
                 num_tokens = len(comp.token_ids)
@@ -147,19 +150,17 @@ class OpenAIServingChat(OpenAIServing):
                         comp.finish_reason if ro.finished else None,
                         logprobs,
                     )
-        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
-            yield sse(api_error_from(e).body())
-            yield sse("[DONE]")
-            return
-        if include_usage:
-            yield sse(
-                dump(
-                    ChatCompletionChunk(
-                        id=request_id,
-                        model=self.served_model_name,
-                        choices=[],
-                        usage=usage_of(num_prompt_tokens, num_tokens),
-                    )
+
+        def usage() -> dict[str, Any] | None:
+            if not include_usage:
+                return None
+            return dump(
+                ChatCompletionChunk(
+                    id=request_id,
+                    model=self.served_model_name,
+                    choices=[],
+                    usage=usage_of(num_prompt_tokens, num_tokens),
                 )
             )
-        yield sse("[DONE]")
+
+        return sse_events(steps(), usage)

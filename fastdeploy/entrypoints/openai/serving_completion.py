@@ -25,6 +25,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     iterate_closing,
     sampling_params_from,
     sse,
+    sse_events,
 )
 
 
@@ -92,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         return JSONResponse(dump(body))
 
-    async def _stream(
+    def _stream(
         self,
         stream: Any,
         request_id: str,
@@ -102,8 +103,11 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step with new text (the last one carries the finish
         reason), an optional usage chunk, then ``[DONE]``."""
-        num_tokens, offset = 0, 0
-        try:
+        num_tokens = 0
+
+        async def steps() -> AsyncIterator[str]:
+            nonlocal num_tokens
+            offset = 0
             async for ro in iterate_closing(stream):
                 comp = ro.outputs[0]
                 num_tokens = len(comp.token_ids)
@@ -124,19 +128,17 @@ class OpenAIServingCompletion(OpenAIServing):
                             )
                         )
                     )
-        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
-            yield sse(api_error_from(e).body())
-            yield sse("[DONE]")
-            return
-        if include_usage:
-            yield sse(
-                dump(
-                    CompletionResponse(
-                        id=request_id,
-                        model=self.served_model_name,
-                        choices=[],
-                        usage=usage_of(num_prompt_tokens, num_tokens),
-                    )
+
+        def usage() -> dict[str, Any] | None:
+            if not include_usage:
+                return None
+            return dump(
+                CompletionResponse(
+                    id=request_id,
+                    model=self.served_model_name,
+                    choices=[],
+                    usage=usage_of(num_prompt_tokens, num_tokens),
                 )
             )
-        yield sse("[DONE]")
+
+        return sse_events(steps(), usage)

@@ -4,9 +4,10 @@ server-sent events, and collecting a request's output while watching for a clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -270,6 +271,26 @@ async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any 
     finally:
         consumer.cancel()
         stream.close()
+
+
+async def sse_events(
+    steps: AsyncIterator[str], usage_chunk: Callable[[], dict[str, Any] | None]
+) -> AsyncIterator[str]:
+    """How every stream ends, for both endpoints: the per-step events pass through, an engine
+    failure becomes an error event, then the usage chunk (when ``usage_chunk`` returns one) and
+    ``[DONE]``. ``steps`` is closed when the client leaves, which aborts its request."""
+    async with contextlib.aclosing(steps):
+        try:
+            async for event in steps:
+                yield event
+        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
+            yield sse(api_error_from(e).body())
+            yield sse("[DONE]")
+            return
+    body = usage_chunk()
+    if body is not None:
+        yield sse(body)
+    yield sse("[DONE]")
 
 
 async def iterate_closing(stream: RequestStream) -> AsyncIterator[Any]:
