@@ -186,27 +186,38 @@ def test_bad_model_and_engine_args(tmp_path):
         LLM(str(tmp_path), max_num_seq=4)
 
 
-def test_piecewise_segments_compose_to_the_model_forward(llm):
-    """On CPU no graph is captured, but the segments a bucket would capture must compute the
-    same hidden states as the model's own forward (padding rows excluded)."""
+def piecewise_setup(llm):
+    """A 40-token step of 3 requests padded to a 48-token bucket: (meta, the model's own hidden
+    states for the real rows, the bucket's segments, their buffers)."""
     runner = llm.engine.worker.runner
     backend = runner.attn_backend
     sched = _dummy([20, 7, 13], 0, 16, share_block=False)
+    inputs = runner.buffers.prepare(sched, padded=48)
+    meta = runner.build_forward_meta(inputs, "piecewise")
+    expected = runner.model(inputs.input_ids, inputs.positions, meta)[:40].clone()
+    bufs = SegmentBuffers(
+        64,
+        64,
+        backend.num_heads * backend.head_dim,
+        backend.num_kv_heads * backend.head_dim,
+        backend.dtype,
+        backend.device,
+    )
+    segments = make_segments(runner.model, bufs, inputs.input_ids, inputs.positions)
+    return meta, expected, segments, bufs
+
+
+def run_segments(llm, segments, bufs, meta) -> torch.Tensor:
+    layers = llm.engine.worker.runner.model.layers
+    return PiecewiseGraph(48, segments, bufs, [layer.attn for layer in layers]).run_eager(meta)[:40]
+
+
+def test_piecewise_segments_compose_to_the_model_forward(llm):
+    """On CPU no graph is captured, but the segments a bucket would capture must compute the
+    same hidden states as the model's own forward (padding rows excluded)."""
     with torch.inference_mode():
-        inputs = runner.buffers.prepare(sched, padded=48)
-        meta = runner.build_forward_meta(inputs, "piecewise")
-        expected = runner.model(inputs.input_ids, inputs.positions, meta)[:40].clone()
-        bufs = SegmentBuffers(
-            64,
-            64,
-            backend.num_heads * backend.head_dim,
-            backend.num_kv_heads * backend.head_dim,
-            backend.dtype,
-            backend.device,
-        )
-        segments = make_segments(runner.model, bufs, inputs.input_ids, inputs.positions)
-        graph = PiecewiseGraph(48, segments, bufs, [layer.attn for layer in runner.model.layers])
-        got = graph.run_eager(meta)[:40]
+        meta, expected, segments, bufs = piecewise_setup(llm)
+        got = run_segments(llm, segments, bufs, meta)
     assert len(segments) == TINY["num_hidden_layers"] + 1
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
@@ -220,27 +231,11 @@ def test_compiled_segments_match_eager_and_all_compile(llm):
 
     from fastdeploy.model_executor.graph_optimization.piecewise import compile_segments
 
-    runner = llm.engine.worker.runner
-    backend = runner.attn_backend
-    sched = _dummy([20, 7, 13], 0, 16, share_block=False)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode():
-        inputs = runner.buffers.prepare(sched, padded=48)
-        meta = runner.build_forward_meta(inputs, "piecewise")
-        expected = runner.model(inputs.input_ids, inputs.positions, meta)[:40].clone()
-        bufs = SegmentBuffers(
-            64,
-            64,
-            backend.num_heads * backend.head_dim,
-            backend.num_kv_heads * backend.head_dim,
-            backend.dtype,
-            backend.device,
-        )
-        segments = make_segments(runner.model, bufs, inputs.input_ids, inputs.positions)
+        meta, expected, segments, bufs = piecewise_setup(llm)
         before = counters["stats"]["unique_graphs"]
-        compiled = compile_segments(segments, graph_opt_level=1)
-        graph = PiecewiseGraph(48, compiled, bufs, [layer.attn for layer in runner.model.layers])
-        got = graph.run_eager(meta)[:40]
+        got = run_segments(llm, compile_segments(segments, graph_opt_level=1), bufs, meta)
         assert counters["stats"]["unique_graphs"] - before == len(segments)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert compile_segments(segments, graph_opt_level=0) is segments

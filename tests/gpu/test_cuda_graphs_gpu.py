@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_utils import (
+    GPU_ONLY,
     GRAPH_LOGIT_ATOL,
     assert_greedy_matches_hf,
     greedy,
@@ -21,10 +22,7 @@ from fastdeploy import SamplingParams
 from fastdeploy.engine.request import Request
 from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_ONLY
 
 GRAPHS = {"use_cudagraph": True, "full_cuda_graph": False}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_utils import (
+    GPU_ONLY,
     assert_greedy_matches_hf,
     greedy,
     hf_reference,
@@ -18,10 +19,7 @@ from gpu_utils import (
 
 from fastdeploy import SamplingParams
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_ONLY
 
 NO_GRAPHS = {"use_cudagraph": False}
 

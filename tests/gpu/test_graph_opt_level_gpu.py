@@ -7,8 +7,8 @@ Run on a CUDA host: ``python -m pytest -q -m gpu tests/gpu``.
 from __future__ import annotations
 
 import pytest
-import torch
 from gpu_utils import (
+    GPU_ONLY,
     assert_greedy_matches_hf,
     greedy,
     hf_reference,
@@ -17,10 +17,7 @@ from gpu_utils import (
     random_prompts,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_ONLY
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -14,16 +14,12 @@ import sys
 import time
 
 import httpx
-import pytest
-import torch
+from gpu_utils import GPU_ONLY
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastdeploy.model_executor.model_loader.presets import write_preset
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_ONLY
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
