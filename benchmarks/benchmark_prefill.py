@@ -124,7 +124,11 @@ class Bench:
 
 
 def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
-    graph_cfg = {"use_cudagraph": True, "full_cuda_graph": False}
+    graph_cfg = {
+        "use_cudagraph": True,
+        "full_cuda_graph": False,
+        "graph_opt_level": args.graph_opt_level,
+    }
     if args.capture_sizes == "tokens":
         graph_cfg["cudagraph_capture_sizes_prefill"] = sorted(set(tokens), reverse=True)
         graph_cfg["cudagraph_capture_sizes"] = [1]
@@ -165,6 +169,13 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--decode-context", type=int, default=512, help="KV tokens per request")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument(
+        "--graph-opt-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="1/2: segments compiled by torch.compile (2: max-autotune) before capture",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -193,6 +204,7 @@ def main() -> None:
     print(
         f"\nPrefill latency, 1 request | GPU {torch.cuda.get_device_name()} | model {name} "
         f"(dummy weights) | dtype {args.dtype} | attention {engine.worker.runner.attn_backend.name}"
+        f" | graph_opt_level {args.graph_opt_level}"
         f" | mean of {args.iters} after {args.warmup} warm-up"
     )
     print(

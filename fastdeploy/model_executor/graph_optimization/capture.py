@@ -85,6 +85,14 @@ def capture_all(worker) -> CudaGraphRunner:
     runner = worker.runner
     graphs = CudaGraphRunner(runner, plan, gcfg.cudagraph_num_of_warmups, gcfg.graph_opt_level)
     total = len(plan.prefill_capture_sizes) + len(plan.decode_capture_sizes)
+    if gcfg.graph_opt_level > 0 and plan.prefill_graphs:
+        logger.info(
+            "graph_opt_level=%d: compiling the segments of %d prefill buckets with torch.compile "
+            "before capture; expect tens of seconds per bucket at level 1 and minutes at level 2 "
+            "(max-autotune)",
+            gcfg.graph_opt_level,
+            len(plan.prefill_capture_sizes),
+        )
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     reserved_before = torch.cuda.memory_reserved()
