@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from fastdeploy.engine.sampling_params import SamplingParams
+        from fastdeploy.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fastdeploy' has no attribute {name!r}")

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from fastdeploy.cache_manager.block_pool import BlockPool
 from fastdeploy.cache_manager.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
-from fastdeploy.engine.request import Request
+from fastdeploy.core.request import Request
 
 
 class KVCacheManager:

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastdeploy.engine.request import check_prompt
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.request import check_prompt
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

@@ -12,31 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.request import Request, RequestStatus, check_prompt
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.request import Request, RequestStatus, check_prompt
-from fastdeploy.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineOutput:
-    """What one step produced for one request.
-
-    ``new_logprobs`` holds, per new token, ``{"token_id", "logprob", "top_logprobs": [(id, lp)]}``
-    when the request asked for logprobs. ``finish_reason`` is ``stop``, ``length``, ``abort`` or
-    ``None``.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 class LLMEngine:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastdeploy.engine.engine import EngineOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -28,8 +28,8 @@ from collections import deque
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.engine.request import Request, RequestStatus
-from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
+from fastdeploy.core.request import Request, RequestStatus
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 DEFAULT_CHUNKED_BUDGET = 2048  # tokens; FastDeploy's default with chunked prefill
 

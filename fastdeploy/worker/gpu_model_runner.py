@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy.engine.request import Request
+from fastdeploy.core.request import Request
+from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 from fastdeploy.model_executor.layers.sampler import Sampler, SamplingMetadata
-from fastdeploy.scheduler.output import SchedulerOutput
 from fastdeploy.worker.input_batch import InputBuffers, StepInputs
 
 logger = logging.getLogger(__name__)

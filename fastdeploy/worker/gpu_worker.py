@@ -14,13 +14,13 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
-from fastdeploy.engine.request import Request
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.request import Request
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.selector import select_attention_backend
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.platforms import get_platform
-from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.input_batch import InputBuffers
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
-from fastdeploy.scheduler.output import SchedulerOutput
 
 
 @dataclass

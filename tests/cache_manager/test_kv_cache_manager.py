@@ -3,8 +3,8 @@
 import pytest
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
-from fastdeploy.engine.request import Request
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.request import Request
+from fastdeploy.core.sampling_params import SamplingParams
 
 BS = 4
 

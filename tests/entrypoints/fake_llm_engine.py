@@ -12,8 +12,8 @@ import threading
 import time
 
 from fastdeploy.config import FDConfig
-from fastdeploy.engine.engine import EngineOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.sampling_params import SamplingParams
 
 
 class FakeTokenizer:

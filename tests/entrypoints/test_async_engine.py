@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from fake_llm_engine import FakeEngine, expected_text
 
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from fastdeploy.engine.sampling_params import SamplingParams
 
 
 def run(coro_fn, engine: FakeEngine, **kw):

@@ -19,8 +19,8 @@ from gpu_utils import (
 )
 
 from fastdeploy import SamplingParams
-from fastdeploy.engine.request import Request
-from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
+from fastdeploy.core.request import Request
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 pytestmark = GPU_ONLY
 

@@ -4,9 +4,9 @@ import pytest
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.engine.request import Request, RequestStatus
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.scheduler.output import SchedulerOutput
+from fastdeploy.core.request import Request, RequestStatus
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.scheduler.scheduler import InsufficientKVCacheError, Scheduler
 
 BS = 4

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionLogprobs,
     ErrorInfo,

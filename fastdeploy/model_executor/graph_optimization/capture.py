@@ -10,8 +10,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.graph_optimization.graph_runner import CudaGraphRunner, split_tokens
-from fastdeploy.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def _dummy(sizes: list[int], history: int, block_size: int, share_block: bool) -
     """A dummy step: one request per entry of ``sizes`` new tokens after ``history`` cached ones.
     Block 0 is the reserved null block, so blocks start at 1; with ``share_block`` every request
     uses block 1 (decode capture: values written there are garbage and never read as real KV)."""
-    from fastdeploy.engine.request import Request
-    from fastdeploy.engine.sampling_params import SamplingParams
+    from fastdeploy.core.request import Request
+    from fastdeploy.core.sampling_params import SamplingParams
 
     sched = SchedulerOutput()
     block = 1

@@ -18,6 +18,7 @@ import time
 import torch
 
 from fastdeploy import envs
+from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.graph_optimization.capture_sizes import pick_bucket
 from fastdeploy.model_executor.graph_optimization.full_graph import FullGraph
 from fastdeploy.model_executor.graph_optimization.piecewise import (
@@ -27,7 +28,6 @@ from fastdeploy.model_executor.graph_optimization.piecewise import (
     make_segments,
 )
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
-from fastdeploy.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.sampling_params import SamplingParams
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastdeploy.engine.request import Request
+from fastdeploy.core.request import Request
 
 
 @dataclass
