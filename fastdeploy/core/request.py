@@ -9,22 +9,33 @@ from dataclasses import dataclass, field
 from fastdeploy.core.sampling_params import SamplingParams
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """The one prompt-length rule: at least one token, and fewer than ``max_model_len`` so that
+    there is room for one output token. Front ends (through :func:`check_prompt`) and the
+    scheduler both call it.
+
+    Raises:
+        ValueError: ``num_prompt_tokens == 0``, or ``num_prompt_tokens >= max_model_len`` (the
+            message names both lengths).
+    """
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty; at least one token is required")
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
+            f"(prompt tokens must be fewer than max_model_len to leave room for output)"
+        )
+
+
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Admission check of a prompt's token ids.
+    """Admission check of a prompt's token ids: :func:`check_prompt_length`, then the vocabulary.
 
     Raises:
         ValueError: an empty prompt, a prompt of ``max_model_len`` tokens or more (no room for one
             output token; the message names both lengths), or a token id outside
             ``[0, vocab_size)``.
     """
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise ValueError("the prompt is empty; at least one token is required")
-    if n >= max_model_len:
-        raise ValueError(
-            f"the prompt has {n} tokens, but max_model_len is {max_model_len} "
-            f"(prompt tokens must be fewer than max_model_len to leave room for output)"
-        )
+    check_prompt_length(len(prompt_token_ids), max_model_len)
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastdeploy.core.request import check_prompt
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.output_processor import process_and_finish
 from fastdeploy.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,39 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (shutdown or a failed step); no request can make progress."""
+
+
+# Commands from the asyncio side to the engine thread, applied between steps by ``_drain``.
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a request that already passed ``engine.check_request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request and free its KV blocks (a no-op for an unknown id)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FinishRequest:
+    """Finish a request early (a stop string was found) and free its KV blocks."""
+
+    request_id: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class StopLoop:
+    """Leave the engine loop."""
+
+
+Command = AddRequest | AbortRequest | FinishRequest | StopLoop
 
 
 @dataclass
@@ -124,10 +157,10 @@ class AsyncLLMEngine:
     """Runs ``engine.step()`` on a background thread and streams outputs to asyncio consumers.
 
     Args:
-        engine: an ``LLMEngine`` (or anything with its methods: ``add_request``,
-            ``abort_request``, ``finish_request``, ``step``, ``has_unfinished_requests``,
-            ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
-            ``vocab_size``).
+        engine: an ``LLMEngine`` (or anything with its methods: ``check_request``,
+            ``add_request``, ``abort_request``, ``finish_request``, ``step``,
+            ``has_unfinished_requests``, ``get_stats``, ``shutdown`` and the attributes
+            ``tokenizer``, ``max_model_len``, ``vocab_size``).
         output_processor: turns ``EngineOutput`` lists into ``RequestOutput`` lists
             (detokenisation, stop strings); default ``OutputProcessor(engine.tokenizer)``.
         max_concurrency: requests admitted at once (running + waiting); more raise
@@ -178,7 +211,7 @@ class AsyncLLMEngine:
         """Stop the loop after the current step, fail in-flight requests, shut the engine down."""
         if self._dead is None:
             self._dead = EngineDeadError("the server is shutting down")
-        self._commands.put(("stop",))
+        self._commands.put(StopLoop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(self._dead)
@@ -208,7 +241,7 @@ class AsyncLLMEngine:
         """
         if self._dead is not None or self._thread is None:
             raise EngineDeadError(str(self._dead or "the engine loop is not running"))
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        self.engine.check_request(prompt_token_ids)  # pure: safe off the engine thread
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
@@ -216,7 +249,7 @@ class AsyncLLMEngine:
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
         out_queue: asyncio.Queue = asyncio.Queue()
         self._tracked[request_id] = _Tracked(out_queue, len(prompt_token_ids), time.monotonic())
-        self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params))
+        self._commands.put(AddRequest(request_id, list(prompt_token_ids), sampling_params))
         return RequestStream(self, request_id, out_queue)
 
     async def generate(
@@ -245,7 +278,7 @@ class AsyncLLMEngine:
         if tracked is None:
             return
         self._processor.abort_request(request_id)
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
         self.metrics.observe_finish("abort", time.monotonic() - tracked.arrival)
 
     def fail_in_flight(self, message: str) -> int:
@@ -281,26 +314,28 @@ class AsyncLLMEngine:
         changed = False
         while True:
             try:
-                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                cmd: Command = (
+                    self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                )
             except queue.Empty:
                 if block:
                     continue
                 break
             block = False
-            kind = cmd[0]
-            if kind == "stop":
+            if isinstance(cmd, StopLoop):
                 return False
             changed = True
-            if kind == "add":
-                _, request_id, prompt_token_ids, params = cmd
+            if isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params)
+                    self.engine.add_request(
+                        cmd.request_id, cmd.prompt_token_ids, cmd.sampling_params
+                    )
                 except ValueError as e:
-                    self._post(self._fail, request_id, e)
-            elif kind == "abort":
-                self.engine.abort_request(cmd[1])
-            elif kind == "finish":
-                self.engine.finish_request(cmd[1], cmd[2])
+                    self._post(self._fail, cmd.request_id, e)
+            elif isinstance(cmd, AbortRequest):
+                self.engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, FinishRequest):
+                self.engine.finish_request(cmd.request_id, cmd.finish_reason)
         if changed:
             self._post(self._on_stats, self.engine.get_stats())
         return True
@@ -326,7 +361,7 @@ class AsyncLLMEngine:
         if not outputs:
             return
         try:
-            results = self._processor.process(outputs)
+            results = process_and_finish(self._processor, outputs, self._queue_finish)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep the server up
             logger.exception("output processing failed")
             for request_id in {o.request_id for o in outputs}:
@@ -342,8 +377,10 @@ class AsyncLLMEngine:
                 del self._tracked[ro.request_id]
                 reason = ro.outputs[0].finish_reason or "stop"
                 self.metrics.observe_finish(reason, now - tracked.arrival)
-                if ro.needs_finish:  # a stop string ended it; the engine must free its blocks
-                    self._commands.put(("finish", ro.request_id, reason))
+
+    def _queue_finish(self, request_id: str, finish_reason: str) -> None:
+        """A stop string ended the request: have the engine thread free its blocks."""
+        self._commands.put(FinishRequest(request_id, finish_reason))
 
     def _record_tokens(self, tracked: _Tracked, ro: Any, now: float) -> None:
         """Feed the token counters and latency histograms from one cumulative output."""
@@ -368,7 +405,7 @@ class AsyncLLMEngine:
         if tracked is None:
             return
         self._processor.abort_request(request_id)
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
         self.metrics.observe_finish("error", time.monotonic() - tracked.arrival)
         tracked.queue.put_nowait(error)
 

@@ -8,6 +8,7 @@ streaming deltas until it is known not to be one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastdeploy.core.outputs import EngineOutput
@@ -33,7 +34,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of one request after a step. ``needs_finish`` is set when a stop string was
-    found: the caller must then call ``engine.finish_request(request_id, "stop")``."""
+    found: the engine must then finish the request (:func:`process_and_finish` does it)."""
 
     request_id: str
     prompt: str | None
@@ -154,3 +155,33 @@ class OutputProcessor:
         comp.delta_text = text[state.sent : visible]
         state.sent = visible
         return out
+
+
+def process_and_finish(
+    processor: OutputProcessor,
+    outputs: list[EngineOutput],
+    finish: Callable[[str, str], None],
+) -> list[RequestOutput]:
+    """Apply one step's outputs and finish in the engine each request a stop string ended.
+
+    The one place where front ends (``LLM`` and ``AsyncLLMEngine``) turn engine outputs into
+    :class:`RequestOutput` objects.
+
+    Args:
+        processor: an :class:`OutputProcessor` (anything with its ``process`` method).
+        outputs: one step's outputs, as ``LLMEngine.step`` returns them.
+        finish: called as ``finish(request_id, "stop")`` for each output whose ``needs_finish``
+            is set, e.g. ``engine.finish_request`` or a function that queues that call for the
+            engine's thread.
+
+    Returns what ``processor.process(outputs)`` returns.
+
+    Raises:
+        Whatever ``processor.process`` raises (no request is finished then), and whatever
+        ``finish`` raises.
+    """
+    results = processor.process(outputs)
+    for out in results:
+        if out.needs_finish:
+            finish(out.request_id, "stop")
+    return results

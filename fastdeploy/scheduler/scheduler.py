@@ -27,11 +27,9 @@ import time
 from collections import deque
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
-from fastdeploy.config import SchedulerConfig
-from fastdeploy.core.request import Request, RequestStatus
+from fastdeploy.config import SchedulerConfig, check
+from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
-
-DEFAULT_CHUNKED_BUDGET = 2048  # tokens; FastDeploy's default with chunked prefill
 
 
 class InsufficientKVCacheError(RuntimeError):
@@ -50,15 +48,17 @@ class Scheduler:
     """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
 
     Args:
-        scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens`` (tokens per step; ``None``
-            resolves to 2048 with chunked prefill, else to ``max_model_len``) and
-            ``enable_chunked_prefill``.
+        scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens`` (tokens per step, an
+            integer already resolved by ``EngineArgs.create_engine_config``, which owns its
+            default) and ``enable_chunked_prefill``.
         kv_cache_manager: owns the KV blocks.
         max_model_len: most tokens (prompt + output) of one request.
 
     Raises:
-        ValueError: ``max_model_len < 1``, or chunked prefill off and a token budget below
-            ``max_model_len`` (a long prompt could never be scheduled).
+        ValueError: ``max_model_len < 1``; ``max_num_batched_tokens`` not a resolved integer
+            (``None``: build the config with ``EngineArgs.create_engine_config``); or chunked
+            prefill off and a token budget below ``max_model_len`` (a long prompt could never be
+            scheduled).
     """
 
     def __init__(
@@ -73,8 +73,12 @@ class Scheduler:
             )
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         budget = scheduler_config.max_num_batched_tokens
-        if budget is None:
-            budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len
+        check(
+            isinstance(budget, int) and not isinstance(budget, bool),
+            "max_num_batched_tokens",
+            budget,
+            "a resolved integer (build the config with EngineArgs.create_engine_config)",
+        )
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={budget} is invalid with enable_chunked_prefill=False; "
@@ -112,21 +116,20 @@ class Scheduler:
         """Queue a new request at the back of the waiting queue.
 
         Raises:
-            ValueError: duplicate id, empty prompt, more than ``max_model_len`` tokens, or a
-                request that is not fresh (not WAITING, or holding blocks or computed tokens).
+            ValueError: duplicate id; a prompt refused by
+                :func:`~fastdeploy.core.request.check_prompt_length` (empty, or not shorter than
+                ``max_model_len``; the message names the request); or a request that is not fresh
+                (not WAITING, or holding output tokens, blocks or computed tokens).
         """
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already scheduled")
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt")
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r} has {request.num_tokens} tokens; allowed: at most "
-                f"max_model_len={self.max_model_len}"
-            )
+        try:
+            check_prompt_length(request.num_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
         fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
-        if not fresh or request.block_ids:
+        if not fresh or request.block_ids or request.output_token_ids:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.value})")
         self._requests[rid] = request
         self.waiting.append(request)

@@ -13,6 +13,7 @@ import time
 
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.request import check_prompt
 from fastdeploy.core.sampling_params import SamplingParams
 
 
@@ -71,6 +72,10 @@ class FakeEngine:
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
+
+    def check_request(self, prompt_token_ids: list[int]) -> None:
+        """The real engine's admission check (pure: not recorded in ``thread_ids``)."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
         self._touch()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from fake_llm_engine import FakeEngine, expected_text
@@ -77,6 +78,32 @@ def test_admission_checks_are_synchronous():
         return ae.num_in_flight
 
     assert run(body, FakeEngine(max_model_len=32, step_delay_s=0.01), max_concurrency=1) == 0
+
+
+def test_admission_is_the_engines_check_request_on_the_callers_thread():
+    """One length rule: the async front end asks engine.check_request (max_model_len tokens
+    refused, one fewer accepted) and runs it synchronously, off the engine thread."""
+
+    class CountingEngine(FakeEngine):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.checked: list[tuple[int, int]] = []  # (prompt length, thread id)
+
+        def check_request(self, prompt_token_ids):
+            self.checked.append((len(prompt_token_ids), threading.get_ident()))
+            super().check_request(prompt_token_ids)
+
+    engine = CountingEngine(max_model_len=32)
+
+    async def body(ae):
+        params = SamplingParams(max_tokens=1)
+        with pytest.raises(ValueError, match="prompt has 32 tokens, but max_model_len is 32"):
+            ae.add_request("long", [65] * 32, params)
+        return [o async for o in ae.generate("fits", [65] * 31, params)][-1].finished
+
+    assert run(body, engine) is True
+    assert engine.checked == [(32, threading.get_ident()), (31, threading.get_ident())]
+    assert threading.get_ident() not in engine.thread_ids  # add_request/step: engine thread
 
 
 def test_shutdown_fails_in_flight_requests():

@@ -1,10 +1,12 @@
 """Scheduler: token budget, chunked prefill, max_num_seqs, ordering, preemption, abort."""
 
+import time
+
 import pytest
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.core.request import Request, RequestStatus
+from fastdeploy.core.request import Request, RequestStatus, check_prompt
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.scheduler.scheduler import InsufficientKVCacheError, Scheduler
@@ -112,11 +114,22 @@ def test_without_chunking_a_prompt_waits_for_room():
 def test_without_chunking_the_budget_must_hold_max_model_len():
     with pytest.raises(ValueError, match="max_num_batched_tokens=16"):
         make_scheduler(budget=16, chunked=False, max_model_len=32)
-    config = SchedulerConfig(enable_chunked_prefill=False)
+    config = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=100)
     sched = Scheduler(config, KVCacheManager(9, BS), max_model_len=100)
     assert sched.max_num_batched_tokens == 100
-    chunked = Scheduler(SchedulerConfig(), KVCacheManager(9, BS), max_model_len=100)
+    config = SchedulerConfig(max_num_batched_tokens=2048)
+    chunked = Scheduler(config, KVCacheManager(9, BS), max_model_len=100)
     assert chunked.max_num_batched_tokens == 2048
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_unresolved_budget_is_refused(chunked):
+    """The default budget belongs to EngineArgs.resolve_max_num_batched_tokens, not here."""
+    config = SchedulerConfig(enable_chunked_prefill=chunked)  # max_num_batched_tokens=None
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens=None is invalid.*EngineArgs.create_engine_config"
+    ):
+        Scheduler(config, KVCacheManager(9, BS), max_model_len=100)
 
 
 def test_add_request_validation():
@@ -124,11 +137,25 @@ def test_add_request_validation():
     sched.add_request(make_request("a", 4))
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add_request(make_request("a", 4))
-    with pytest.raises(ValueError, match="max_model_len=16"):
+    with pytest.raises(ValueError, match="'b'.*17 tokens, but max_model_len is 16"):
         sched.add_request(make_request("b", 17))
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="'c'.*prompt is empty"):
         sched.add_request(make_request("c", 0))
     assert sched.get_request("a") is not None and sched.get_request("b") is None
+
+
+def test_the_scheduler_and_the_front_ends_share_one_length_rule():
+    """A prompt must leave room for one output token: max_model_len tokens are refused by both
+    the scheduler and check_prompt (what LLMEngine.check_request runs), one fewer is accepted."""
+    sched = make_scheduler(max_model_len=16)
+    check_prompt(list(range(15)), max_model_len=16, vocab_size=1000)
+    sched.add_request(make_request("a", 15))
+    with pytest.raises(ValueError, match="16 tokens, but max_model_len is 16") as front:
+        check_prompt(list(range(16)), max_model_len=16, vocab_size=1000)
+    with pytest.raises(ValueError, match="16 tokens, but max_model_len is 16") as back:
+        sched.add_request(make_request("b", 16))
+    assert str(back.value) == f"request 'b': {front.value}"
+    assert sched.get_request("b") is None
 
 
 def test_prefix_hit_on_admission():
@@ -198,6 +225,22 @@ def test_update_from_output_validation():
     assert sched.update_from_output(out, {"a": 1}) == [a]
     with pytest.raises(ValueError, match="applied twice"):
         sched.update_from_output(out, {"a": 1})
+
+
+def test_first_token_time_is_set_once_when_the_first_token_is_appended():
+    sched = make_scheduler(budget=16)
+    a = make_request("a", 40)
+    sched.add_request(a)
+    step(sched)
+    step(sched)
+    assert a.first_token_time is None  # prefill chunks sample nothing
+    before = time.monotonic()
+    step(sched)
+    assert a.output_token_ids == [1040]
+    assert before <= a.first_token_time <= time.monotonic()
+    first = a.first_token_time
+    step(sched)
+    assert len(a.output_token_ids) == 2 and a.first_token_time == first
 
 
 def test_finish_request():
