@@ -32,8 +32,8 @@ import torch
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.model_executor.graph_optimization.capture import _dummy
 from fastdeploy.model_executor.model_loader.presets import PRESETS, write_preset
+from fastdeploy.worker.input_batch import dummy_step
 
 DEFAULT_TOKENS = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -75,26 +75,26 @@ class Bench:
         self.block_size = engine.config.cache_config.block_size
 
     def step(self, n: int):
-        return _dummy([n], 0, self.block_size, share_block=False)
+        return dummy_step([n], self.block_size)
 
     def eager(self, n: int) -> float:
         sched = self.step(n)
         self.runner.graph_runner = None
         try:
-            return time_ms(lambda: self.runner._forward(sched), self.iters, self.warmup)
+            return time_ms(lambda: self.runner.forward(sched), self.iters, self.warmup)
         finally:
             self.runner.graph_runner = self.graphs
 
     def piecewise(self, n: int) -> float | None:
         sched = self.step(n)
-        if self.graphs is None or self.graphs.try_run(self.runner, sched) is None:
+        if self.graphs is None or self.runner.forward(sched)[2] != "piecewise":
             return None
-        return time_ms(lambda: self.graphs.try_run(self.runner, sched), self.iters, self.warmup)
+        return time_ms(lambda: self.runner.forward(sched), self.iters, self.warmup)
 
     def decode(self, batch: int, context: int, graphs: bool) -> float:
         """Milliseconds of one whole decode step (inputs, forward, logits, greedy sampling) of
         ``batch`` requests with ``context`` tokens of KV each."""
-        sched = _dummy([1] * batch, context - 1, self.block_size, share_block=False)
+        sched = dummy_step([1] * batch, self.block_size, history=context - 1)
         self.runner.graph_runner = self.graphs if graphs else None
         try:
             return time_ms(lambda: self.runner.execute_model(sched), self.iters, self.warmup)
@@ -145,7 +145,7 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
         attention_backend=args.attention_backend,
         skip_tokenizer_init=True,
     )
-    return LLMEngine(engine_args)
+    return LLMEngine.from_engine_args(engine_args)
 
 
 def main() -> None:

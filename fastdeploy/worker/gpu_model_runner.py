@@ -1,7 +1,10 @@
-"""The model runner: inputs into persistent buffers, one forward, sampling.
+"""The model runner: inputs into persistent buffers, one forward, sampling, and the capture loops.
 
-Runs on CUDA and on CPU (the name follows FastDeploy). CUDA graph capture and replay live in
-:mod:`fastdeploy.model_executor.graph_optimization`; this runner asks it which mode a step uses.
+Runs on CUDA and on CPU (the name follows FastDeploy). The graph package
+(:mod:`fastdeploy.model_executor.graph_optimization`) is its tool: the plan's pure
+:meth:`~fastdeploy.model_executor.graph_optimization.policy.GraphPlan.dispatch` picks a step's mode
+and bucket, and :class:`~fastdeploy.model_executor.graph_optimization.graph_runner.CudaGraphRunner`
+captures or replays that bucket from inputs this runner prepared.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import torch
 from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 from fastdeploy.model_executor.layers.sampler import Sampler, SamplingMetadata
-from fastdeploy.worker.input_batch import InputBuffers, StepInputs
+from fastdeploy.worker.input_batch import InputBuffers, StepInputs, dummy_step, split_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -70,30 +74,51 @@ class GPUModelRunner:
         self._request_generators.clear()
 
     # ---------------------------------------------------------------- capture
-    def capture_model_prefill_and_mixed(self, graphs, bar) -> None:
-        """Capture piecewise graphs for every prefill/mixed token bucket (warm-up only)."""
-        from fastdeploy.model_executor.graph_optimization import capture
+    def init_graph_runner(self, plan: GraphPlan, num_warmups: int, graph_opt_level: int):
+        """Create the (empty) graph runner of ``plan`` for this runner's model and backend; the
+        capture loops below fill it during warm-up."""
+        from fastdeploy.model_executor.graph_optimization.graph_runner import CudaGraphRunner
 
-        capture.capture_model_prefill_and_mixed(self, graphs, bar)
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.attn_backend, plan, num_warmups, graph_opt_level
+        )
+        return self.graph_runner
 
-    def capture_model(self, graphs, bar) -> None:
-        """Capture full graphs for every decode bucket (warm-up only)."""
-        from fastdeploy.model_executor.graph_optimization import capture
+    def capture_model_prefill_and_mixed(self, progress=None) -> None:
+        """Capture piecewise graphs for every prefill/mixed token bucket, largest first (warm-up
+        only): a dummy step of exactly ``N`` tokens, one request, or several when ``N`` exceeds
+        one request's block table. ``progress`` (a tqdm bar) is advanced once per bucket."""
+        graphs = self.graph_runner
+        buffers = self.buffers
+        max_per_req = buffers.max_blocks_per_seq * buffers.block_size - 1
+        for n in graphs.plan.prefill_capture_sizes:
+            sched = dummy_step(split_tokens(n, max_per_req), buffers.block_size)
+            inputs = buffers.prepare(sched, padded=n)
+            meta = self.build_forward_meta(inputs)
+            graphs.capture_piecewise(n, inputs.input_ids, inputs.positions, meta)
+            if progress is not None:
+                progress.update(1)
 
-        capture.capture_model(self, graphs, bar)
+    def capture_model(self, progress=None) -> None:
+        """Capture a full graph for every decode bucket, largest first (warm-up only): ``B``
+        one-token requests with one token of history, sharing one block."""
+        graphs = self.graph_runner
+        block_size = self.buffers.block_size
+        for b in graphs.plan.decode_capture_sizes:
+            sched = dummy_step([1] * b, block_size, history=1, share_block=True)
+            inputs = self.buffers.prepare(sched, padded=b)
+            meta = ForwardMeta(self.attn_backend, None, self.kv_caches)
+            graphs.capture_full_decode(b, inputs.input_ids, inputs.positions, inputs.batch, meta)
+            if progress is not None:
+                progress.update(1)
 
     # ---------------------------------------------------------------- step
-    def build_forward_meta(self, inputs: StepInputs, graph_mode: str = "eager") -> ForwardMeta:
+    def build_forward_meta(self, inputs: StepInputs) -> ForwardMeta:
         """Attention metadata is built here, once per step, never per layer."""
         return ForwardMeta(
-            num_tokens=inputs.num_tokens,
-            num_reqs=inputs.batch.num_reqs,
             attn_backend=self.attn_backend,
             attn_metadata=self.attn_backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
-            is_decode_only=inputs.batch.is_decode_only,
-            step_use_cudagraph=graph_mode != "eager",
-            graph_mode=graph_mode,
         )
 
     @torch.inference_mode()
@@ -109,7 +134,7 @@ class GPUModelRunner:
             self._request_generators.pop(req.request_id, None)
         if sched.is_empty:
             return {}
-        hidden, inputs = self._forward(sched)
+        hidden, inputs, _ = self.forward(sched)
         if not inputs.sampling_reqs:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -117,20 +142,32 @@ class GPUModelRunner:
         out = self.sampler(logits, self._sampling_metadata(reqs))
         return self._to_host(out, inputs.sampling_reqs)
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        """Dispatch on host data: a captured graph if one fits, else eager."""
-        if self.graph_runner is not None:
-            result = self.graph_runner.try_run(self, sched)
-            if result is not None:
-                hidden, inputs, mode = result
-                self.steps_by_mode[mode] += 1
-                self.num_padded_tokens += inputs.padded - inputs.num_tokens
-                return hidden, inputs
-        inputs = self.buffers.prepare(sched)
-        meta = self.build_forward_meta(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, meta)
-        self.steps_by_mode["eager"] += 1
-        return hidden, inputs
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs, str]:
+        """Prepare ``sched`` in the persistent buffers and run it: a captured graph when the
+        plan's dispatch picks one (host data only, no device sync), else eagerly.
+
+        Returns:
+            ``(hidden [padded, H], inputs, mode)``; rows past ``inputs.num_tokens`` are padding,
+            ``mode`` is ``full``, ``piecewise`` or ``eager``.
+        """
+        graphs = self.graph_runner
+        mode, bucket = "eager", None
+        if graphs is not None:
+            mode, bucket = graphs.plan.dispatch(
+                sched.is_decode_only, len(sched.scheduled), sched.num_batched_tokens
+            )
+        inputs = self.buffers.prepare(sched, padded=bucket)
+        if mode == "full":
+            hidden = graphs.replay_full(bucket, inputs.input_ids, inputs.batch)
+        elif mode == "piecewise":
+            meta = self.build_forward_meta(inputs)
+            hidden = graphs.replay_piecewise(bucket, inputs.input_ids, meta)
+        else:
+            meta = self.build_forward_meta(inputs)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta)
+        self.steps_by_mode[mode] += 1
+        self.num_padded_tokens += inputs.padded - inputs.num_tokens
+        return hidden, inputs, mode
 
     def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
         params = [r.sampling_params for r in reqs]

@@ -5,7 +5,6 @@ One worker per rank (only rank 0 today). It runs on CUDA or CPU; the name follow
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -14,15 +13,13 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
-from fastdeploy.core.request import Request
-from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
-from fastdeploy.model_executor.layers.attention.selector import select_attention_backend
+from fastdeploy.model_executor.layers.attention.selector import get_attention_backend_cls
 from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.platforms import get_platform
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
-from fastdeploy.worker.input_batch import InputBuffers
+from fastdeploy.worker.input_batch import InputBuffers, dummy_step
 
 logger = logging.getLogger(__name__)
 
@@ -41,43 +38,24 @@ def resolve_dtype(dtype: str, device_type: str, hf_config) -> torch.dtype:
     return get_platform(device_type).default_dtype
 
 
-def dummy_step(
-    num_reqs: int, tokens_per_req: int, block_size: int, first_block: int = 1, decode: bool = False
-) -> SchedulerOutput:
-    """A synthetic step of ``num_reqs`` requests of ``tokens_per_req`` new tokens each, with
-    consecutive blocks from ``first_block`` (for profiling and graph capture). With ``decode``
-    each request has a one-token KV history, so the step looks like a decode step."""
-    sched = SchedulerOutput()
-    block = first_block
-    history = 1 if decode else 0
-    for i in range(num_reqs):
-        n = history + tokens_per_req
-        nblocks = math.ceil(n / block_size)
-        req = Request(f"dummy-{i}", [0] * n, SamplingParams(temperature=0, max_tokens=1))
-        req.block_ids = list(range(block, block + nblocks))
-        block += nblocks
-        sched.scheduled.append(ScheduledRequest(req, history, tokens_per_req))
-    return sched
-
-
 class GpuWorker:
     """Owns the device, the model, the KV cache and the runner.
 
     Args:
-        config: the resolved engine config.
-        model_source: what :func:`fastdeploy.model_executor.model_loader.source.resolve_model`
-            returned.
-        graph_plan: the resolved graph plan (workers receive it; they never re-derive it).
+        config: the resolved engine config (``EngineArgs.create_engine_config``: model source,
+            device and attention backend decided).
+        graph_plan: the resolved graph plan (workers receive it; they never re-derive or edit
+            it).
     """
 
-    def __init__(self, config: FDConfig, model_source, graph_plan: GraphPlan) -> None:
+    def __init__(self, config: FDConfig, graph_plan: GraphPlan) -> None:
         self.config = config
-        self.source = model_source
+        self.source = config.model_source
         self.graph_plan = graph_plan
-        self.device = torch.device(config.device_config.resolved_device)
+        self.device = torch.device(config.device_config.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        hf = model_source.hf_config
+        hf = self.source.hf_config
         self.dtype = resolve_dtype(config.model_config.dtype, self.device.type, hf)
         self.num_layers = hf.num_hidden_layers
         self.num_heads = hf.num_attention_heads
@@ -92,8 +70,7 @@ class GpuWorker:
         cfg = self.config
         torch.manual_seed(cfg.model_config.seed)
         model = get_model(self.source, self.dtype, self.device, cfg.model_config.seed)
-        backend_name = cfg.device_config.attention_backend or envs.FD_ATTENTION_BACKEND()
-        backend_cls = select_attention_backend(backend_name, self.device.type)
+        backend_cls = get_attention_backend_cls(cfg.device_config.attention_backend)
         block_size = cfg.cache_config.block_size
         sched = cfg.scheduler_config
         max_blocks_per_seq = math.ceil(cfg.model_config.max_model_len / block_size)
@@ -112,19 +89,6 @@ class GpuWorker:
             self.device,
             **extra,
         )
-        if self.graph_plan.decode_graphs and not backend.supports_graph_decode:
-            # Only reached when flashinfer was expected but is missing (the selector fell back).
-            self.graph_plan = dataclasses.replace(
-                self.graph_plan,
-                decode_graphs=False,
-                decode_capture_sizes=[],
-                reasons=[
-                    *self.graph_plan.reasons,
-                    f"decode graphs off: the {backend.name} "
-                    "attention backend cannot run inside a full CUDA graph",
-                ],
-            )
-            logger.warning("%s", self.graph_plan.reasons[-1])
         max_tokens = max([sched.max_num_batched_tokens, *self.graph_plan.prefill_capture_sizes])
         buffers = InputBuffers(
             max_num_tokens=max_tokens,
@@ -237,7 +201,7 @@ class GpuWorker:
         buffers (six ``[max_prefill_bucket, width]`` tensors) and 256 MiB for the decode graphs'
         attention metadata. The capture log reports the memory actually used."""
         plan = self.graph_plan
-        if not (plan.prefill_graphs or plan.decode_graphs):
+        if not plan.any_graphs:
             return 0
         elem = torch.tensor([], dtype=self.dtype).element_size()
         hidden = self.source.hf_config.hidden_size
@@ -251,7 +215,7 @@ class GpuWorker:
         sched_cfg = self.config.scheduler_config
         num_reqs = min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
         per_req = sched_cfg.max_num_batched_tokens // num_reqs
-        return dummy_step(num_reqs, per_req, self.config.cache_config.block_size)
+        return dummy_step([per_req] * num_reqs, self.config.cache_config.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one KV tensor per layer of ``num_blocks`` blocks (zeros)."""
@@ -269,21 +233,39 @@ class GpuWorker:
 
     # ------------------------------------------------------------- warm-up
     def graph_optimize_and_warm_up_model(self) -> None:
-        """Capture CUDA graphs per the plan (prefill/mixed first, then decode), then reset the
-        sampling RNG so a seed gives the same output with and without graphs."""
-        if self.graph_plan.prefill_graphs or self.graph_plan.decode_graphs:
-            from fastdeploy.model_executor.graph_optimization.capture import _dummy, capture_all
+        """Capture CUDA graphs per the plan (prefill/mixed first, then decode) inside one capture
+        session, then reset the sampling RNG so a seed gives the same output with and without
+        graphs.
+
+        Raises:
+            RuntimeError: capture failed (out of memory or a CUDA error), naming the knobs.
+        """
+        plan = self.graph_plan
+        if plan.any_graphs:
+            from fastdeploy.model_executor.graph_optimization.capture import capture_session
 
             # One eager prefill and one eager decode step first: kernel libraries build or load
             # their kernels on first use (flashinfer's JIT), which is not capture time.
             start = time.perf_counter()
             block_size = self.config.cache_config.block_size
-            self.runner.execute_model(_dummy([16], 0, block_size, share_block=False))
-            self.runner.execute_model(_dummy([1, 1], 1, block_size, share_block=True))
+            self.runner.execute_model(dummy_step([16], block_size))
+            self.runner.execute_model(dummy_step([1, 1], block_size, history=1, share_block=True))
             torch.cuda.synchronize()
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
             self.runner.steps_by_mode["eager"] -= 2
-            capture_all(self)
+            gcfg = self.config.graph_opt_config
+            graphs = self.runner.init_graph_runner(
+                plan, gcfg.cudagraph_num_of_warmups, gcfg.graph_opt_level
+            )
+            try:
+                with capture_session(graphs) as bar:
+                    if plan.prefill_graphs:
+                        self.runner.capture_model_prefill_and_mixed(bar)
+                    if plan.decode_graphs:
+                        self.runner.capture_model(bar)
+            except RuntimeError:
+                self.runner.graph_runner = None
+                raise
         self.runner.reset_sampling_state()
 
     def execute_model(self, sched: SchedulerOutput):

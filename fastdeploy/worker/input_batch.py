@@ -9,12 +9,16 @@ as a bucket of ``padded`` tokens has rows ``n..padded-1`` with token id 0, posit
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.core.request import Request
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
 
 
@@ -182,3 +186,47 @@ def _token_slice(request, start: int, end: int) -> list[int]:
     if start >= n_prompt:
         return request.output_token_ids[start - n_prompt : end - n_prompt]
     return request.prompt_token_ids[start:] + request.output_token_ids[: end - n_prompt]
+
+
+def dummy_step(
+    sizes: Sequence[int],
+    block_size: int,
+    history: int = 0,
+    share_block: bool = False,
+    first_block: int = 1,
+) -> SchedulerOutput:
+    """A synthetic step for memory profiling, kernel warm-up, graph capture and benchmarks: one
+    request per entry of ``sizes`` new tokens (token id 0) after ``history`` cached ones.
+
+    Blocks are consecutive from ``first_block`` (block 0 is the reserved null block); with
+    ``share_block`` every request uses block ``first_block`` only (decode capture: what is
+    written there is garbage and never read as real KV).
+
+    Args:
+        sizes: new tokens per request, each >= 1.
+        block_size: tokens per KV block.
+        history: KV tokens each request already has (1 makes a one-token request a decode).
+        share_block: all requests share one block.
+        first_block: the first block id used.
+    """
+    sched = SchedulerOutput()
+    block = first_block
+    for i, n in enumerate(sizes):
+        total = history + n
+        nblocks = math.ceil(total / block_size)
+        req = Request(f"dummy-{i}", [0] * total, SamplingParams(temperature=0, max_tokens=1))
+        if share_block:
+            req.block_ids = [first_block] * nblocks
+        else:
+            req.block_ids = list(range(block, block + nblocks))
+            block += nblocks
+        sched.scheduled.append(ScheduledRequest(req, history, n))
+    return sched
+
+
+def split_tokens(num_tokens: int, max_per_request: int) -> list[int]:
+    """Split ``num_tokens`` into as few near-equal request sizes of at most ``max_per_request``
+    as possible (a capture step larger than one request's block table)."""
+    n = math.ceil(num_tokens / max_per_request)
+    base, extra = divmod(num_tokens, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]

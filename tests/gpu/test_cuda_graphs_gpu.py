@@ -74,9 +74,8 @@ class StepBuilder:
         runner = self.runner
         saved = runner.graph_runner
         runner.graph_runner = saved if graphs else None
-        before = dict(runner.steps_by_mode)
         try:
-            hidden, inputs = runner._forward(sched)
+            hidden, inputs, mode = runner.forward(sched)
             rows = torch.tensor(
                 [
                     sum(s.num_new_tokens for s in sched.scheduled[: i + 1]) - 1
@@ -87,7 +86,6 @@ class StepBuilder:
             out = runner.model.compute_logits(hidden[rows]).float().clone()
         finally:
             runner.graph_runner = saved
-        mode = next(m for m in before if runner.steps_by_mode[m] != before[m])
         return out, mode
 
 
@@ -170,7 +168,7 @@ def test_no_capture_outside_warm_up(llm):
         sizes = [s for k, s in graphs.capture_log if k == kind]
         assert sizes == sorted(sizes, reverse=True)
     with pytest.raises(RuntimeError, match="outside warm-up"):
-        graphs.capture_full_decode(1, None)
+        graphs.capture_full_decode(1, None, None, None, None)
 
 
 def test_engine_create_destroy_create(model_dir):

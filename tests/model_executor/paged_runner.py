@@ -96,12 +96,9 @@ class PagedRunner:
         token and, for checks, float32 logits of all real tokens ``[num_tokens, vocab]``."""
         batch, input_ids, positions = self.build_batch(chunks, pad_to)
         meta = ForwardMeta(
-            num_tokens=batch.num_tokens,
-            num_reqs=batch.num_reqs,
             attn_backend=self.backend,
             attn_metadata=self.backend.build_metadata(batch),
             kv_caches=self.kv_caches,
-            is_decode_only=batch.is_decode_only,
         )
         hidden = self.model(input_ids, positions, meta)[: batch.num_tokens]
         last = batch.query_start_loc[1:].long() - 1

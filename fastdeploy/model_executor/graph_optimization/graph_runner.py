@@ -1,62 +1,77 @@
-"""Capture (warm-up only) and dispatch of CUDA graphs for one model runner.
+"""The captured CUDA graphs of one model, their memory pool and their static buffers.
 
-Dispatch uses host-side scheduler data only (no device sync):
-  * decode-only step of ``B`` requests, decode graphs on, ``B`` <= largest decode bucket
-    -> replay the full graph of the smallest bucket >= ``B``;
-  * any other step of ``N`` tokens, prefill graphs on, ``N`` <= largest prefill bucket
-    -> piecewise replay of the smallest bucket >= ``N``;
-  * otherwise eager.
+A tool of the model runner, built from what it uses (the model, the attention backend, the plan, the
+pool and stream, the buffer sizes); it never holds the runner. The runner prepares a step's inputs
+in its persistent buffers, asks :meth:`GraphPlan.dispatch` for the mode and bucket, and calls
+:meth:`CudaGraphRunner.replay_full` or :meth:`CudaGraphRunner.replay_piecewise`; at warm-up it
+calls :meth:`CudaGraphRunner.capture_piecewise` and :meth:`CudaGraphRunner.capture_full_decode`
+once per bucket, largest first.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
-import math
 import time
 
 import torch
 
 from fastdeploy import envs
-from fastdeploy.core.scheduler_output import SchedulerOutput
-from fastdeploy.model_executor.graph_optimization.capture_sizes import pick_bucket
+from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.full_graph import FullGraph
 from fastdeploy.model_executor.graph_optimization.piecewise import (
     PiecewiseGraph,
+    PiecewiseModel,
     SegmentBuffers,
     compile_segments,
     make_segments,
 )
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 
 logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
-    """Holds the captured graphs of one runner, their memory pool and their static buffers.
+    """Capture (warm-up only) and replay of the plan's buckets.
 
     Args:
-        runner: the :class:`~fastdeploy.worker.gpu_model_runner.GPUModelRunner`.
+        model: the model; it offers the piecewise contract (:class:`PiecewiseModel`).
+        attn_backend: the attention backend the model's steps use.
         plan: the resolved graph plan (bucket lists largest first).
         num_warmups: eager runs of a bucket before its capture.
         graph_opt_level: 0 plain segments; 1/2 segments compiled with ``torch.compile``.
+        pool: the one memory pool every graph shares (a new one when None).
+        stream: the side stream graphs are captured on (a new one when None).
     """
 
-    def __init__(self, runner, plan: GraphPlan, num_warmups: int, graph_opt_level: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        model: PiecewiseModel,
+        attn_backend: AttentionBackend,
+        plan: GraphPlan,
+        num_warmups: int,
+        graph_opt_level: int,
+        pool=None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
         self.plan = plan
         self.num_warmups = num_warmups
         self.graph_opt_level = graph_opt_level
-        self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = stream if stream is not None else torch.cuda.Stream()
         self.piecewise: dict[int, PiecewiseGraph] = {}
         self.full: dict[int, FullGraph] = {}
         self.capture_log: list[tuple[str, int]] = []
         self.seconds: dict[str, float] = collections.defaultdict(float)  # capture time by phase
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
         self._capturing = False
-        self._bufs: SegmentBuffers | None = None
         self._check_addresses = envs.FD_DEBUG_CUDAGRAPH_ADDRESSES()
-        model = runner.model
+        self._bufs: SegmentBuffers | None = None
         self.attn_layers = [layer.attn for layer in model.layers]
 
     # ----------------------------------------------------------- capture
@@ -65,6 +80,7 @@ class CudaGraphRunner:
         self._capturing = True
 
     def end_capture(self) -> None:
+        """Close the capture window: no bucket is ever captured lazily while serving."""
         self._capturing = False
 
     def _check_order(self, kind: str, size: int) -> None:
@@ -81,12 +97,13 @@ class CudaGraphRunner:
         self.capture_log.append((kind, size))
 
     def segment_buffers(self) -> SegmentBuffers:
+        """The static tensors every segment reads and writes, sized for the largest prefill
+        bucket; allocated at the first capture, so the capture log counts them as graph memory."""
         if self._bufs is None:
-            backend = self.runner.attn_backend
-            hidden = self.runner.model.embed_tokens.weight.shape[1]
+            backend = self.attn_backend
             self._bufs = SegmentBuffers(
                 max(self.plan.prefill_capture_sizes),
-                hidden,
+                self.model.hidden_size,
                 backend.num_heads * backend.head_dim,
                 backend.num_kv_heads * backend.head_dim,
                 backend.dtype,
@@ -94,40 +111,68 @@ class CudaGraphRunner:
             )
         return self._bufs
 
-    def capture_piecewise(self, num_tokens: int, sched: SchedulerOutput) -> None:
-        """Capture the piecewise graphs of one token bucket from a dummy step of exactly
-        ``num_tokens`` tokens."""
+    def capture_piecewise(
+        self,
+        num_tokens: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_meta: ForwardMeta,
+    ) -> None:
+        """Capture the piecewise graphs of one token bucket.
+
+        Args:
+            num_tokens: the bucket (tokens).
+            input_ids, positions: int64 ``[num_tokens]`` views of the runner's persistent
+                buffers, holding a prepared step of exactly ``num_tokens`` tokens.
+            forward_meta: that step's metadata (attention run eagerly between segments).
+
+        Raises:
+            RuntimeError: outside the capture window, or not largest first.
+        """
         self._check_order("prefill", num_tokens)
-        runner = self.runner
-        inputs = runner.buffers.prepare(sched, padded=num_tokens)
-        meta = runner.build_forward_meta(inputs, "piecewise")
-        segments = make_segments(
-            runner.model, self.segment_buffers(), inputs.input_ids, inputs.positions
-        )
+        bufs = self.segment_buffers()
+        segments = make_segments(self.model, bufs, input_ids, positions)
         segments = compile_segments(segments, self.graph_opt_level)
-        graph = PiecewiseGraph(num_tokens, segments, self.segment_buffers(), self.attn_layers)
+        graph = PiecewiseGraph(num_tokens, segments, bufs, self.attn_layers)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
-                graph.run_eager(meta)
+                graph.run_eager(forward_meta)
         self.stream.synchronize()
         t1 = time.perf_counter()
         graph.capture(self.pool, self.stream)
         self.seconds["prefill warm-up"] += t1 - t0
         self.seconds["prefill capture"] += time.perf_counter() - t1
-        graph.input_ptr = inputs.input_ids.data_ptr()
+        graph.input_ptr = input_ids.data_ptr()
         self.piecewise[num_tokens] = graph
 
-    def capture_full_decode(self, batch_size: int, sched: SchedulerOutput) -> None:
-        """Capture one full decode graph from a dummy decode step of ``batch_size`` requests."""
+    def capture_full_decode(
+        self,
+        batch_size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        forward_meta: ForwardMeta,
+    ) -> None:
+        """Capture one full decode graph.
+
+        Args:
+            batch_size: the bucket (requests, one token each).
+            input_ids, positions: int64 ``[batch_size]`` views of the persistent buffers.
+            batch: the prepared decode step of exactly ``batch_size`` requests.
+            forward_meta: its KV caches and backend; the attention metadata is replaced by the
+                backend's fixed-size graph metadata for this bucket.
+
+        Raises:
+            RuntimeError: outside the capture window, or not largest first.
+        """
         self._check_order("decode", batch_size)
-        runner = self.runner
-        backend = runner.attn_backend
-        inputs = runner.buffers.prepare(sched, padded=batch_size)
+        backend = self.attn_backend
         graph_meta = backend.make_graph_decode_metadata(batch_size)
-        meta = runner.build_forward_meta(inputs, "full")
-        meta.attn_metadata = backend.plan_graph_decode(graph_meta, inputs.batch, batch_size)
-        graph = FullGraph(batch_size, runner.model, inputs.input_ids, inputs.positions, graph_meta)
+        meta = dataclasses.replace(
+            forward_meta, attn_metadata=backend.plan_graph_decode(graph_meta, batch, batch_size)
+        )
+        graph = FullGraph(batch_size, self.model, input_ids, positions, graph_meta)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
@@ -137,38 +182,39 @@ class CudaGraphRunner:
         graph.capture(meta, self.pool, self.stream)
         self.seconds["decode warm-up"] += t1 - t0
         self.seconds["decode capture"] += time.perf_counter() - t1
-        graph.input_ptr = inputs.input_ids.data_ptr()
+        graph.input_ptr = input_ids.data_ptr()
         self.full[batch_size] = graph
 
-    # ----------------------------------------------------------- dispatch
-    def try_run(self, runner, sched: SchedulerOutput):
-        """Replay a graph for ``sched`` if one fits; returns ``(hidden, inputs, mode)`` or None.
+    # ----------------------------------------------------------- replay
+    def replay_full(
+        self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Replay the full decode graph of ``bucket`` for a step prepared padded to it.
 
-        ``hidden`` is ``[padded, H]``; rows past ``inputs.num_tokens`` are padding.
+        Returns:
+            ``[bucket, hidden]`` (a static tensor: consume it before the next step); rows past
+            the step's requests are padding.
         """
-        if sched.is_decode_only and self.full:
-            bucket = pick_bucket(self.plan.decode_capture_sizes, len(sched.scheduled))
-            if bucket is not None and bucket in self.full:
-                graph = self.full[bucket]
-                inputs = runner.buffers.prepare(sched, padded=bucket)
-                self._assert_address(graph, inputs)
-                runner.attn_backend.plan_graph_decode(graph.graph_metadata, inputs.batch, bucket)
-                return graph.replay(), inputs, "full"
-            return None
-        if sched.is_decode_only and self.plan.decode_graphs:
-            return None  # decode-only above the largest decode bucket: eager
-        if self.piecewise:
-            bucket = pick_bucket(self.plan.prefill_capture_sizes, sched.num_batched_tokens)
-            if bucket is not None and bucket in self.piecewise:
-                graph = self.piecewise[bucket]
-                inputs = runner.buffers.prepare(sched, padded=bucket)
-                self._assert_address(graph, inputs)
-                meta = runner.build_forward_meta(inputs, "piecewise")
-                return graph.replay(meta), inputs, "piecewise"
-        return None
+        graph = self.full[bucket]
+        self._assert_address(graph, input_ids)
+        self.attn_backend.plan_graph_decode(graph.graph_metadata, batch, bucket)
+        return graph.replay()
 
-    def _assert_address(self, graph, inputs) -> None:
-        if self._check_addresses and inputs.input_ids.data_ptr() != graph.input_ptr:
+    def replay_piecewise(
+        self, bucket: int, input_ids: torch.Tensor, forward_meta: ForwardMeta
+    ) -> torch.Tensor:
+        """Replay the segments of ``bucket`` with eager attention between them.
+
+        Returns:
+            ``[bucket, hidden]`` (a view of the shared segment buffer: consume it before the
+            next step); rows past the step's tokens are padding.
+        """
+        graph = self.piecewise[bucket]
+        self._assert_address(graph, input_ids)
+        return graph.replay(forward_meta)
+
+    def _assert_address(self, graph, input_ids: torch.Tensor) -> None:
+        if self._check_addresses and input_ids.data_ptr() != graph.input_ptr:
             raise AssertionError("replay input address differs from the captured one")
 
     def num_graphs(self) -> int:
@@ -176,14 +222,7 @@ class CudaGraphRunner:
         return len(self.full) + sum(len(g.graphs) for g in self.piecewise.values())
 
     def release(self) -> None:
-        """Drop every graph and buffer (engine shutdown)."""
+        """Drop every graph and buffer (engine shutdown, or a failed capture)."""
         self.piecewise.clear()
         self.full.clear()
         self._bufs = None
-
-
-def split_tokens(num_tokens: int, max_per_request: int) -> list[int]:
-    """Split a dummy step of ``num_tokens`` into request sizes of at most ``max_per_request``."""
-    n = math.ceil(num_tokens / max_per_request)
-    base, extra = divmod(num_tokens, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]

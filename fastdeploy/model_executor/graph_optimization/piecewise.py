@@ -20,7 +20,8 @@ and the memory pool holds only the segments' intermediates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -69,8 +70,56 @@ class SegmentBuffers:
         self.residual, self.hidden, self.attn = buf(hidden_size), buf(hidden_size), buf(q_size)
 
 
+class PiecewiseAttention(Protocol):
+    """A layer's attention handle: its index into ``ForwardMeta.kv_caches``."""
+
+    layer_idx: int
+
+
+class PiecewiseLayer(Protocol):
+    """One decoder layer, split at its attention call (``T`` tokens, model dtype)."""
+
+    attn: PiecewiseAttention
+
+    def pre_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int64 ``positions [T]``, ``hidden_states [T, hidden]``, ``residual [T, hidden]``
+        (None entering the first layer) -> ``q [T, H*D]``, ``k, v [T, KV*D]``,
+        ``residual [T, hidden]``."""
+        ...
+
+    def post_attention(
+        self, attn_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attn_output [T, H*D]``, ``residual [T, hidden]`` -> ``(hidden_states, residual)``,
+        both ``[T, hidden]``."""
+        ...
+
+
+class PiecewiseModel(Protocol):
+    """What a model file offers so that its forward can be cut into piecewise segments.
+
+    The forward must equal ``embed -> for each layer: pre_attention, attention,
+    post_attention -> final_norm``; nothing but attention may depend on how the step's tokens
+    are split across requests. :class:`~fastdeploy.model_executor.models.llama.DecoderForCausalLM`
+    is the reference implementation.
+    """
+
+    hidden_size: int
+    layers: Sequence[PiecewiseLayer]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden]``."""
+        ...
+
+    def final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last residual add and norm: ``[T, hidden]`` each -> ``[T, hidden]``."""
+        ...
+
+
 def make_segments(
-    model: torch.nn.Module, bufs: SegmentBuffers, input_ids: torch.Tensor, positions: torch.Tensor
+    model: PiecewiseModel, bufs: SegmentBuffers, input_ids: torch.Tensor, positions: torch.Tensor
 ) -> list[Callable[[], None]]:
     """The ``L + 1`` segment callables for a bucket of ``n = input_ids.numel()`` tokens.
 

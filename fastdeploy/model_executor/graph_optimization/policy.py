@@ -1,10 +1,15 @@
-"""The graph policy: one function turns the whole :class:`FDConfig` into a :class:`GraphPlan`.
+"""The graph policy: one function turns the whole :class:`FDConfig` into a :class:`GraphPlan`,
+and one pure function (:meth:`GraphPlan.dispatch`) picks each step's graph mode and bucket.
 
-It runs once, in the engine; workers receive the plan (``to_dict``/``from_dict``) and do not
-re-derive it. Every feature it turns off carries a reason that users can read (startup log,
-``--print-config``). The rules are numbered as in ``docs/graph-optimization.md`` (shared docs):
+The policy runs once, on a resolved config (device and attention backend decided); workers receive
+the plan (``to_dict``/``from_dict``), never re-derive it and never edit it, so ``--print-config``
+shows what will run. It asks the :class:`~fastdeploy.platforms.Platform` and the attention backend
+class what they support rather than comparing names. Every feature it turns off carries a reason
+that users can read (startup log, ``--print-config``). The rules are numbered as in
+``docs/graph-optimization.md`` (shared docs):
 
-1. the platform cannot capture CUDA graphs (CPU) -> all graphs off;
+1. the platform cannot capture CUDA graphs (CPU) -> all graphs off; an attention backend that
+   cannot run inside a full graph -> decode graphs off;
 2. ``use_cudagraph=false`` -> all graphs off;
 3. ``full_cuda_graph=true`` -> prefill graphs off;
 4. ``splitwise_role="prefill"`` -> decode graphs off (prefill graphs on unless another rule says
@@ -31,10 +36,13 @@ from fastdeploy.model_executor.graph_optimization.capture_sizes import (
     normalize_sizes,
     pick_bucket,
 )
+from fastdeploy.model_executor.layers.attention.selector import get_attention_backend_cls
+from fastdeploy.platforms import get_platform
 
 logger = logging.getLogger(__name__)
 
-PLATFORMS = ("cuda", "cpu")
+#: The graph modes of a step, as :meth:`GraphPlan.dispatch` returns them and ``/metrics`` counts.
+GRAPH_MODES = ("full", "piecewise", "eager")
 _BLOCK_WISE_VARS = ("FD_USE_BLOCK_WISE_CUDA_GRAPH", "FD_BLOCK_WISE_CUDA_GRAPH_SIZES")
 
 
@@ -83,16 +91,38 @@ class GraphPlan:
 
     @property
     def any_graphs(self) -> bool:
-        """At least one graph is captured."""
+        """At least one graph is captured (the worker warms up and captures only then)."""
         return self.decode_graphs or self.prefill_graphs
 
-    def decode_bucket(self, num_reqs: int) -> int | None:
-        """Decode bucket for a decode-only step of ``num_reqs`` requests; None: run eagerly."""
-        return pick_bucket(self.decode_capture_sizes, num_reqs)
+    def dispatch(
+        self, is_decode_only: bool, num_reqs: int, num_tokens: int
+    ) -> tuple[str, int | None]:
+        """The graph mode and bucket of one step, from host-side scheduler data only (pure).
 
-    def prefill_bucket(self, num_tokens: int) -> int | None:
-        """Piecewise bucket for a prefill/mixed step of ``num_tokens`` tokens; None: run eagerly."""
-        return pick_bucket(self.prefill_capture_sizes, num_tokens)
+        * decode-only, decode graphs on: the full graph of the smallest decode bucket
+          ``>= num_reqs``; above the largest decode bucket the step runs eagerly (a decode step
+          never takes a piecewise bucket while decode graphs are on);
+        * otherwise, prefill graphs on: the piecewise graphs of the smallest prefill bucket
+          ``>= num_tokens``; above the largest prefill bucket, eager;
+        * otherwise eager.
+
+        Args:
+            is_decode_only: every request of the step adds exactly one token.
+            num_reqs: requests in the step.
+            num_tokens: tokens in the step (before padding).
+
+        Returns:
+            ``("full", bucket)``, ``("piecewise", bucket)`` or ``("eager", None)``; the bucket
+            is the padded size (requests for ``full``, tokens for ``piecewise``).
+        """
+        if is_decode_only and self.decode_graphs:
+            bucket = pick_bucket(self.decode_capture_sizes, num_reqs)
+            return ("full", bucket) if bucket is not None else ("eager", None)
+        if self.prefill_graphs:
+            bucket = pick_bucket(self.prefill_capture_sizes, num_tokens)
+            if bucket is not None:
+                return "piecewise", bucket
+        return "eager", None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (sent to workers; round-trips through :meth:`from_dict`)."""
@@ -159,13 +189,19 @@ def check_block_wise_env() -> None:
         )
 
 
-def _switch_reasons(config: FDConfig, platform: str) -> tuple[bool, bool, list[str]]:
+def _switch_reasons(config: FDConfig) -> tuple[bool, bool, list[str]]:
     """Rules 1-7: whether decode and prefill graphs are on, and why each one that is off is."""
     graph = config.graph_opt_config
     role = config.parallel_config.splitwise_role
     swap_space = config.cache_config.swap_space
-    if platform != "cuda":
-        return False, False, [f"all graphs off: platform {platform!r} cannot capture CUDA graphs"]
+    platform = get_platform(config.device_config.device)
+    backend = get_attention_backend_cls(config.device_config.attention_backend)
+    if not platform.can_capture_graphs:
+        return (
+            False,
+            False,
+            [f"all graphs off: platform {platform.name!r} cannot capture CUDA graphs"],
+        )
     if not graph.use_cudagraph:
         return False, False, ["all graphs off: use_cudagraph=false"]
 
@@ -185,11 +221,17 @@ def _switch_reasons(config: FDConfig, platform: str) -> tuple[bool, bool, list[s
     if graph.cudagraph_only_prefill and decode:
         decode = False
         reasons.append("decode graphs off: cudagraph_only_prefill=true")
-    if config.device_config.attention_backend == "torch_native" and decode:
+    if not backend.supports_graph_decode and decode:
         decode = False
+        hint = (
+            "use the flashinfer backend"
+            if platform.default_attention_backend == backend.name
+            else f"the platform's default is {platform.default_attention_backend}; install it "
+            "or name it with --attention-backend"
+        )
         reasons.append(
-            "decode graphs off: the torch_native attention backend loops over requests on the "
-            "host and cannot run inside a full CUDA graph (use the flashinfer backend)"
+            f"decode graphs off: the {backend.name} attention backend cannot run inside a full "
+            f"CUDA graph ({hint})"
         )
     # Rule 7 comes after every rule that can leave prefill graphs on (default, 4, 6).
     if swap_space > 0 and prefill:
@@ -211,27 +253,34 @@ def _switch_reasons(config: FDConfig, platform: str) -> tuple[bool, bool, list[s
     return decode, prefill, reasons
 
 
-def resolve_graph_plan(config: FDConfig, platform: str) -> GraphPlan:
-    """Resolve which CUDA graphs to capture, and their buckets, for ``config`` on ``platform``.
+def resolve_graph_plan(config: FDConfig) -> GraphPlan:
+    """Resolve which CUDA graphs to capture, and their buckets, for a resolved ``config``.
 
-    ``platform`` is passed in (``"cuda"`` or ``"cpu"``) so that a CUDA plan can be resolved and
-    printed on a machine without a GPU. Also checks the removed block-wise environment variables.
+    The platform is ``config.device_config.device``, so a CUDA plan can be resolved and printed
+    on a machine without a GPU (``--print-config --device cuda``). Also checks the removed
+    block-wise environment variables.
 
     Args:
-        config: a resolved engine config (``max_num_batched_tokens`` set, as
-            ``EngineArgs.create_engine_config`` leaves it).
-        platform: ``"cuda"`` or ``"cpu"``.
+        config: a config resolved by ``EngineArgs.create_engine_config`` (device, attention
+            backend and ``max_num_batched_tokens`` decided).
 
     Raises:
-        ValueError: an unknown platform, an unresolved or inconsistent config (see
-            :meth:`FDConfig.validate`), or a block-wise variable set (see
-            :func:`check_block_wise_env`).
+        ValueError: an unresolved device or backend, an unknown backend, an unresolved or
+            inconsistent config (see :meth:`FDConfig.validate`), or a block-wise variable set
+            (see :func:`check_block_wise_env`).
     """
-    check(platform in PLATFORMS, "platform", platform, ", ".join(PLATFORMS))
+    device = config.device_config
+    check(
+        device.is_resolved,
+        "device_config",
+        f"device={device.device!r}, attention_backend={device.attention_backend!r}",
+        "a resolved device (cuda or cpu) and backend name (build the config with "
+        "EngineArgs.create_engine_config)",
+    )
     check_block_wise_env()
     config.validate()  # the config may have been edited since it was built
     graph, sched = config.graph_opt_config, config.scheduler_config
-    decode, prefill, reasons = _switch_reasons(config, platform)
+    decode, prefill, reasons = _switch_reasons(config)
 
     # Rule 8. Explicit lists were checked against their limits by validate(); nothing is dropped.
     decode_sizes: list[int] = []

@@ -1,0 +1,128 @@
+"""The model runner's capture loops and graph dispatch, on CPU.
+
+No CUDA graph can be captured here, so a stand-in for ``CudaGraphRunner`` records what the runner
+hands it and "replays" a bucket by running the model eagerly on the padded inputs (what a replay
+computes). That checks the runner's side of the contract: each bucket is captured from a prepared
+step of exactly its size, largest first, and each step replays the bucket the plan's dispatch picks,
+with padded rows that change no real token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+PLAN = GraphPlan(
+    decode_graphs=True,
+    prefill_graphs=True,
+    decode_capture_sizes=[4, 2, 1],
+    prefill_capture_sizes=[64, 16],
+    full_cuda_graph=False,
+    graph_opt_level=0,
+)
+
+
+class EagerGraphs:
+    """Stands in for ``CudaGraphRunner``: records captures and replays; a replay runs the model
+    eagerly on the padded inputs the runner prepared."""
+
+    def __init__(self, runner, plan: GraphPlan) -> None:
+        self.runner, self.plan = runner, plan
+        self.captured: list[tuple] = []
+        self.replayed: list[tuple[str, int, int]] = []
+
+    def capture_piecewise(self, num_tokens, input_ids, positions, forward_meta) -> None:
+        self.captured.append(("prefill", num_tokens, input_ids.numel(), positions.numel()))
+
+    def capture_full_decode(self, batch_size, input_ids, positions, batch, forward_meta) -> None:
+        assert forward_meta.kv_caches is self.runner.kv_caches
+        self.captured.append(
+            ("decode", batch_size, input_ids.numel(), batch.num_reqs, batch.is_decode_only)
+        )
+
+    def _run(self, input_ids, meta):
+        positions = self.runner.buffers.positions[: input_ids.numel()]
+        return self.runner.model(input_ids, positions, meta)
+
+    def replay_full(self, bucket, input_ids, batch):
+        self.replayed.append(("full", bucket, input_ids.numel()))
+        backend = self.runner.attn_backend
+        meta = ForwardMeta(backend, backend.build_metadata(batch), self.runner.kv_caches)
+        return self._run(input_ids, meta)
+
+    def replay_piecewise(self, bucket, input_ids, forward_meta):
+        self.replayed.append(("piecewise", bucket, input_ids.numel()))
+        return self._run(input_ids, forward_meta)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama_runner")
+    (d / "config.json").write_text(json.dumps(TINY))
+    return LLM(
+        str(d),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        seed=0,
+    )
+
+
+def test_capture_loops_capture_every_bucket_largest_first_from_exact_steps(llm):
+    runner = llm.engine.worker.runner
+    fake = EagerGraphs(runner, PLAN)
+    runner.graph_runner = fake
+    try:
+        runner.capture_model_prefill_and_mixed()
+        runner.capture_model()
+    finally:
+        runner.graph_runner = None
+    assert fake.captured == [
+        ("prefill", 64, 64, 64),
+        ("prefill", 16, 16, 16),
+        ("decode", 4, 4, 4, True),
+        ("decode", 2, 2, 2, True),
+        ("decode", 1, 1, 1, True),
+    ]
+
+
+def test_steps_replay_the_bucket_dispatch_picks_and_padding_changes_nothing(llm):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 11, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runner = llm.engine.worker.runner
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = dict(runner.steps_by_mode)
+    fake = EagerGraphs(runner, PLAN)
+    runner.graph_runner = fake
+    try:
+        graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        runner.graph_runner = None
+    assert graphs == eager
+    kinds = {kind for kind, _, _ in fake.replayed}
+    assert kinds == {"full", "piecewise"}, fake.replayed
+    for kind, bucket, rows in fake.replayed:
+        assert rows == bucket  # the runner prepared the step padded to the bucket
+        assert bucket in (
+            PLAN.decode_capture_sizes if kind == "full" else PLAN.prefill_capture_sizes
+        )
+    steps = {m: runner.steps_by_mode[m] - before[m] for m in before}
+    assert steps["full"] + steps["piecewise"] == len(fake.replayed)
