@@ -56,6 +56,8 @@ def unknown_key_error(kind: str, key: str, valid: list[str]) -> ValueError:
 class ModelConfig:
     """What model to run. ``model=None`` means the default SmolLM2-135M-Instruct GGUF.
 
+    ``skip_tokenizer_init``: load no tokenizer; prompts are token ids and outputs carry no text.
+
     ``max_model_len`` (tokens, prompt + output) of ``None`` is resolved from the model's
     ``max_position_embeddings`` when the engine config is created.
     """
@@ -65,6 +67,7 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):
@@ -73,6 +76,12 @@ class ModelConfig:
         check(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
         check_int("max_model_len", self.max_model_len, optional=True)
         check_int("seed", self.seed, minimum=0)
+        check(
+            isinstance(self.skip_tokenizer_init, bool),
+            "skip_tokenizer_init",
+            self.skip_tokenizer_init,
+            "true or false",
+        )
 
 
 @dataclass
@@ -166,30 +175,30 @@ class LoadConfig:
 
 @dataclass
 class DeviceConfig:
-    """Where the model runs. ``attention_backend=None`` picks the platform's default."""
+    """Where the model runs and with which attention backend.
+
+    ``device="auto"`` and ``attention_backend=None`` are what a user may leave open;
+    ``EngineArgs.create_engine_config`` resolves both before the graph policy runs (``cuda`` or
+    ``cpu``, and a registered backend name), so the resolved config records what will run.
+    Backend names are checked against the registry at that resolution.
+    """
 
     device: str = "auto"
     attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         check(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
-        from fastdeploy.model_executor.layers.attention.selector import backend_names
-
         check(
-            self.attention_backend is None or self.attention_backend in backend_names(),
+            self.attention_backend is None or isinstance(self.attention_backend, str),
             "attention_backend",
             self.attention_backend,
-            ", ".join(backend_names()) + " or null (the platform's default)",
+            "a backend name or null (the platform's default)",
         )
 
     @property
-    def resolved_device(self) -> str:
-        """``cuda`` if asked for or (``auto``) available, else ``cpu``."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    def is_resolved(self) -> bool:
+        """Both the device and the attention backend are decided."""
+        return self.device != "auto" and self.attention_backend is not None
 
 
 @dataclass
@@ -212,14 +221,17 @@ class GraphOptimizationConfig:
     cudagraph_splitting_ops: list[str] = field(default_factory=lambda: ["attention"])
 
     def __post_init__(self) -> None:
-        for name in (
-            "use_cudagraph",
-            "full_cuda_graph",
-            "use_unique_memory_pool",
-            "cudagraph_only_prefill",
-        ):
+        for name in ("use_cudagraph", "full_cuda_graph", "cudagraph_only_prefill"):
             value = getattr(self, name)
             check(isinstance(value, bool), name, value, "true or false")
+        check(
+            self.use_unique_memory_pool is True,
+            "use_unique_memory_pool",
+            self.use_unique_memory_pool,
+            "true: every graph of the engine shares one memory pool by design (captured largest "
+            "first, so smaller graphs reuse the larger ones' blocks); separate pools would only "
+            "multiply graph memory",
+        )
         check(
             self.graph_opt_level in (0, 1, 2) and not isinstance(self.graph_opt_level, bool),
             "graph_opt_level",
@@ -282,7 +294,13 @@ class GraphOptimizationConfig:
 
 @dataclass
 class FDConfig:
-    """The whole engine configuration, built by :class:`fastdeploy.engine.args_utils.EngineArgs`."""
+    """The whole engine configuration, built by :class:`fastdeploy.engine.args_utils.EngineArgs`.
+
+    ``model_source`` is where ``model_config.model`` resolved to (directory, weights format and the
+    Hugging Face config); ``EngineArgs.create_engine_config`` sets it, together with the device and
+    the attention backend, so the graph policy and the engine read one resolved config. It is not
+    part of :meth:`to_dict` (it is derived from ``model_config`` and ``load_config``).
+    """
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -291,9 +309,47 @@ class FDConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     graph_opt_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+    # A ModelSource (fastdeploy.model_executor.model_loader.source); typed Any so that this low
+    # module imports nothing above it.
+    model_source: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def parts(cls) -> list[dataclasses.Field]:
+        """The config parts (every field but ``model_source``)."""
+        return [f for f in dataclasses.fields(cls) if f.name != "model_source"]
+
+    def not_supported_yet(self) -> list[str]:
+        """One sentence per setting the engine cannot run yet (empty when it can run them all).
+
+        The plan of such a deployment can still be resolved and printed (``--print-config``);
+        :meth:`check_supported` refuses it at engine start.
+        """
+        problems = []
+        role = self.parallel_config.splitwise_role
+        if role != "mixed":
+            problems.append(f"splitwise_role={role!r} is not supported yet; allowed: 'mixed'")
+        swap = self.cache_config.swap_space
+        if swap > 0:
+            problems.append(
+                f"swap_space={swap!r} is not supported yet; allowed: 0 (no host KV tier)"
+            )
+        tp = self.parallel_config.tensor_parallel_size
+        if tp > 1:
+            problems.append(f"tensor_parallel_size={tp!r} is not supported yet; allowed: 1")
+        return problems
+
+    def check_supported(self) -> None:
+        """Refuse what the engine cannot run yet.
+
+        Raises:
+            ValueError: listing every unsupported setting (see :meth:`not_supported_yet`).
+        """
+        problems = self.not_supported_yet()
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def validate(self) -> None:
         """Cross-field checks; each part has already checked its own fields.
@@ -305,7 +361,7 @@ class FDConfig:
         Raises:
             ValueError: naming the field, the value and the limit it breaks.
         """
-        for f in dataclasses.fields(self):
+        for f in self.parts():
             part = getattr(self, f.name)
             check(isinstance(part, f.default_factory), f.name, part, f.default_factory.__name__)
         sched, graph = self.scheduler_config, self.graph_opt_config
@@ -348,12 +404,12 @@ class FDConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-able dict, one key per part (round-trips through :meth:`from_dict`)."""
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in self.parts()}
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> FDConfig:
         """Inverse of :meth:`to_dict`; unknown parts or keys raise ``ValueError``."""
-        parts = {f.name: f for f in dataclasses.fields(cls)}
+        parts = {f.name: f for f in cls.parts()}
         kwargs = {}
         for name, values in data.items():
             if name not in parts:

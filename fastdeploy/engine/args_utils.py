@@ -1,8 +1,9 @@
 """Engine arguments: one flat dataclass that maps to the CLI and builds the :class:`FDConfig`.
 
-Names follow FastDeploy's flags (``--max-num-seqs``, ``--graph-optimization-config``, ...). This
-module does no model I/O: the engine reads the model's ``max_position_embeddings`` and passes it to
-:meth:`EngineArgs.create_engine_config`.
+Names follow FastDeploy's flags (``--max-num-seqs``, ``--graph-optimization-config``, ...).
+Resolution is one pass: :meth:`EngineArgs.create_engine_config` turns the arguments into a validated
+:class:`FDConfig` with the resolved model source (the model's config only, no weights), device and
+attention backend; the graph policy then runs once on that config.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
 from fastdeploy.config import (
@@ -30,6 +31,9 @@ from fastdeploy.config import (
     check,
     unknown_key_error,
 )
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.model_loader.source import ModelSource
 
 # Fallback context length when neither the user nor the model's config gives one.
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -180,31 +184,6 @@ class EngineArgs:
         values = vars(namespace)
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
-    def check_supported(self) -> None:
-        """Refuse what the engine cannot run yet. Called by the engine, not by
-        :meth:`create_engine_config`, so the graph plan of such a deployment can still be resolved
-        and printed (``--print-config``).
-
-        Raises:
-            ValueError: listing every unsupported setting.
-        """
-        problems = []
-        if self.splitwise_role != "mixed":
-            problems.append(
-                f"splitwise_role={self.splitwise_role!r} is not supported yet; allowed: 'mixed'"
-            )
-        if self.swap_space > 0:
-            problems.append(
-                f"swap_space={self.swap_space!r} is not supported yet; allowed: 0 (no host KV tier)"
-            )
-        if self.tensor_parallel_size > 1:
-            problems.append(
-                f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported yet; "
-                "allowed: 1"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-
     def resolve_max_model_len(self, hf_max_position_embeddings: int | None) -> int:
         """``max_model_len``, or the model's maximum, or ``DEFAULT_MAX_MODEL_LEN`` when unknown.
 
@@ -234,19 +213,42 @@ class EngineArgs:
         budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         return budget if self.enable_chunked_prefill else max(budget, max_model_len)
 
-    def create_engine_config(self, hf_max_position_embeddings: int | None = None) -> FDConfig:
-        """Build and validate the :class:`FDConfig`, resolving ``max_model_len`` and
-        ``max_num_batched_tokens`` (see :meth:`resolve_max_model_len` and
-        :meth:`resolve_max_num_batched_tokens`). ``attention_backend=None`` takes
-        ``FD_ATTENTION_BACKEND``. Does not call :meth:`check_supported`.
-
-        Args:
-            hf_max_position_embeddings: the model's context limit, or None when unknown.
+    def resolve_device(self) -> str:
+        """``cuda`` or ``cpu``: ``--device`` as given, or (``auto``) CUDA when available.
 
         Raises:
-            ValueError: a field out of range or an inconsistent combination, naming the field,
-                the value and the limit.
+            ValueError: an unknown device name.
         """
+        check(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def create_engine_config(self, model_source: ModelSource | None = None) -> FDConfig:
+        """Resolve these arguments, in one pass, into a validated :class:`FDConfig`.
+
+        Resolves the model (``model_source``: reads only the model's config, no weights; taken
+        as given when passed), ``max_model_len`` and ``max_num_batched_tokens`` (see
+        :meth:`resolve_max_model_len` and :meth:`resolve_max_num_batched_tokens`), the device
+        (:meth:`resolve_device`) and the attention backend (``--attention-backend``, else
+        ``FD_ATTENTION_BACKEND``, else the platform's default; see
+        :func:`~fastdeploy.model_executor.layers.attention.selector.select_attention_backend`).
+        The graph policy then runs on the result. Does not refuse settings that are not supported
+        yet (:meth:`FDConfig.check_supported` does), so their plan can still be printed.
+
+        Args:
+            model_source: an already resolved model (tests, or a caller that resolved it); None
+                resolves ``model`` / ``load_format`` / ``tokenizer``.
+
+        Raises:
+            ValueError: a field out of range, an unknown attention backend or an inconsistent
+                combination, naming the field, the value and the limit.
+            FileNotFoundError: the model does not exist.
+        """
+        from fastdeploy.model_executor.layers.attention.selector import select_attention_backend
+
         # Build the parts from the raw values first, so types are checked before they are used.
         model_config = ModelConfig(
             model=self.model,
@@ -254,34 +256,46 @@ class EngineArgs:
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            skip_tokenizer_init=self.skip_tokenizer_init,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        max_model_len = self.resolve_max_model_len(hf_max_position_embeddings)
+        load_config = LoadConfig(load_format=self.load_format)
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            swap_space=self.swap_space,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            splitwise_role=self.splitwise_role,
+        )
+        graph_opt_config = GraphOptimizationConfig.from_value(self.graph_optimization_config)
+        device = self.resolve_device()
+        backend = select_attention_backend(
+            self.attention_backend or envs.FD_ATTENTION_BACKEND(), device
+        ).name
+        if model_source is None:  # last: the only step that reads a file
+            from fastdeploy.model_executor.model_loader.source import resolve_model
+
+            model_source = resolve_model(self.model, self.load_format, self.tokenizer)
+        hf_max = getattr(model_source.hf_config, "max_position_embeddings", None)
+        max_model_len = self.resolve_max_model_len(hf_max)
         return FDConfig(
             model_config=dataclasses.replace(model_config, max_model_len=max_model_len),
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                swap_space=self.swap_space,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                splitwise_role=self.splitwise_role,
-            ),
+            cache_config=cache_config,
+            parallel_config=parallel_config,
             scheduler_config=dataclasses.replace(
                 scheduler_config,
                 max_num_batched_tokens=self.resolve_max_num_batched_tokens(max_model_len),
             ),
-            load_config=LoadConfig(load_format=self.load_format),
-            device_config=DeviceConfig(
-                device=self.device,
-                attention_backend=self.attention_backend or envs.FD_ATTENTION_BACKEND(),
-            ),
-            graph_opt_config=GraphOptimizationConfig.from_value(self.graph_optimization_config),
+            load_config=load_config,
+            device_config=DeviceConfig(device=device, attention_backend=backend),
+            graph_opt_config=graph_opt_config,
+            model_source=model_source,
         )

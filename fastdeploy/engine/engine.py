@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
+from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request, RequestStatus, check_prompt
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
 logger = logging.getLogger(__name__)
 
@@ -25,35 +30,34 @@ class LLMEngine:
     """Loads the model and drives steps. Not thread-safe: one thread calls it.
 
     Args:
-        engine_args: the engine arguments (FastDeploy names).
+        config: a config resolved by :meth:`EngineArgs.create_engine_config` (model source,
+            device and attention backend decided); see :meth:`from_engine_args`.
+        graph_plan: the plan of ``config`` when the caller already resolved it (``--print-config``
+            shows the same one); None resolves it here.
 
     Raises:
-        ValueError: a bad or not yet supported argument; FileNotFoundError: missing model.
+        ValueError: a setting not supported yet, or a bad plan.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, config: FDConfig, graph_plan: GraphPlan | None = None) -> None:
         from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
+        from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
         from fastdeploy.scheduler.scheduler import Scheduler
         from fastdeploy.worker.gpu_worker import GpuWorker
 
-        engine_args.check_supported()
-        self.config, self.graph_plan, self.source = self.resolve_config(
-            engine_args, with_source=True
-        )
+        config.check_supported()
+        self.config = config
+        self.graph_plan = graph_plan if graph_plan is not None else resolve_graph_plan(config)
+        self.source = config.model_source
         logger.info("graph plan: %s", self.graph_plan.to_dict())
         self.tokenizer = None
-        if not engine_args.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                self.source.tokenizer_path, **self.source.tokenizer_kwargs
-            )
+        if not config.model_config.skip_tokenizer_init:
+            self.tokenizer = self.source.load_tokenizer()
         self.max_model_len = self.config.model_config.max_model_len
         self.vocab_size = self.source.hf_config.vocab_size
         self.eos_token_ids = self._eos_ids()
-        self.worker = GpuWorker(self.config, self.source, self.graph_plan)
+        self.worker = GpuWorker(self.config, self.graph_plan)
         self.worker.load_model()
-        self.graph_plan = self.worker.graph_plan  # the worker may turn decode graphs off (fallback)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.graph_optimize_and_warm_up_model()
@@ -65,20 +69,15 @@ class LLMEngine:
             self.config.scheduler_config, self.kv_cache_manager, self.max_model_len
         )
 
-    @staticmethod
-    def resolve_config(engine_args: EngineArgs, with_source: bool = False):
-        """Resolve ``(FDConfig, GraphPlan)`` reading only the model's config, no weights.
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """Resolve ``engine_args`` (one pass, see :meth:`EngineArgs.create_engine_config`) and
+        start an engine on the result.
 
-        With ``with_source`` also return the resolved model source (third element).
+        Raises:
+            ValueError: a bad or not yet supported argument; FileNotFoundError: missing model.
         """
-        from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
-        from fastdeploy.model_executor.model_loader.source import resolve_model
-
-        source = resolve_model(engine_args.model, engine_args.load_format, engine_args.tokenizer)
-        hf_max = getattr(source.hf_config, "max_position_embeddings", None)
-        config = engine_args.create_engine_config(hf_max_position_embeddings=hf_max)
-        plan = resolve_graph_plan(config, config.device_config.resolved_device)
-        return (config, plan, source) if with_source else (config, plan)
+        return cls(engine_args.create_engine_config())
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -92,16 +91,28 @@ class LLMEngine:
         return ids
 
     # ------------------------------------------------------------ requests
+    def check_request(self, prompt_token_ids: list[int]) -> None:
+        """Admission check of a prompt, the one every front end calls before queuing.
+
+        Pure: it reads only ``max_model_len`` and ``vocab_size``, fixed at start-up, so it is
+        safe to call from another thread than the one that steps the engine.
+
+        Raises:
+            ValueError: empty prompt, a prompt of ``max_model_len`` tokens or more (no room for
+                one output token; the message names both lengths), or a token id outside the
+                vocabulary.
+        """
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
     ) -> Request:
         """Queue a request.
 
         Raises:
-            ValueError: empty prompt, a prompt of ``max_model_len`` tokens or more (no room for
-                one output token), a token id outside the vocabulary, or a duplicate id.
+            ValueError: what :meth:`check_request` raises, or a duplicate id.
         """
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        self.check_request(prompt_token_ids)
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), sampling_params)
@@ -151,8 +162,6 @@ class LLMEngine:
         outputs = []
         for rid, tok in sampled.items():
             request = self.scheduler.get_request(rid)
-            if request.first_token_time is None:
-                request.first_token_time = now
             logprobs = None
             k = request.sampling_params.logprobs
             if k is not None:

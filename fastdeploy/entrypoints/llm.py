@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput
+from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput, process_and_finish
 
 
 class LLM:
@@ -29,7 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine(args)
+        self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -102,9 +102,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
-                for out in processor.process(engine.step()):
-                    if out.needs_finish:
-                        engine.finish_request(out.request_id, "stop")
+                for out in process_and_finish(processor, engine.step(), engine.finish_request):
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -9,6 +9,13 @@ import pytest
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+from fastdeploy.model_executor.model_loader.source import ModelSource
+
+
+def source(max_position_embeddings: int | None) -> ModelSource:
+    """A resolved model without a file: only its context limit matters here."""
+    hf_config = argparse.Namespace(max_position_embeddings=max_position_embeddings)
+    return ModelSource("unused", None, "dummy", hf_config, "unused")
 
 
 def parse(*argv: str) -> EngineArgs:
@@ -88,7 +95,7 @@ def test_cli_round_trip():
         device="cuda",
         attention_backend="flashinfer",
     )
-    config = args.create_engine_config(hf_max_position_embeddings=8192)
+    config = args.create_engine_config(source(8192))
     assert config.graph_opt_config.full_cuda_graph
     assert config.scheduler_config.max_num_batched_tokens == 8192
     assert not config.scheduler_config.enable_chunked_prefill
@@ -122,20 +129,20 @@ def test_cli_rejects_bad_values(argv, capsys):
 def test_graph_config_unknown_key_via_cli():
     args = parse("--graph-optimization-config", '{"full_cudagraph": true}')
     with pytest.raises(ValueError, match=r"'full_cudagraph'; did you mean full_cuda_graph"):
-        args.create_engine_config()
+        args.create_engine_config(source(8192))
 
 
 # ------------------------------------------------------------------ resolution
 def test_max_model_len_resolution():
-    assert EngineArgs().create_engine_config(8192).model_config.max_model_len == 8192
-    assert EngineArgs().create_engine_config(None).model_config.max_model_len == 2048
-    config = EngineArgs(max_model_len=1024).create_engine_config(8192)
+    assert EngineArgs().create_engine_config(source(8192)).model_config.max_model_len == 8192
+    assert EngineArgs().create_engine_config(source(None)).model_config.max_model_len == 2048
+    config = EngineArgs(max_model_len=1024).create_engine_config(source(8192))
     assert config.model_config.max_model_len == 1024
 
 
 def test_max_model_len_above_model_maximum_is_an_error():
     with pytest.raises(ValueError) as err:
-        EngineArgs(max_model_len=9000).create_engine_config(8192)
+        EngineArgs(max_model_len=9000).create_engine_config(source(8192))
     message = str(err.value)
     assert "max_model_len=9000 is invalid" in message
     assert "max_position_embeddings=8192" in message
@@ -143,7 +150,7 @@ def test_max_model_len_above_model_maximum_is_an_error():
 
 def test_max_model_len_wrong_type_is_reported_before_use():
     with pytest.raises(ValueError, match=r"max_model_len='4k' is invalid"):
-        EngineArgs(max_model_len="4k").create_engine_config(8192)
+        EngineArgs(max_model_len="4k").create_engine_config(source(8192))
 
 
 @pytest.mark.parametrize(
@@ -157,21 +164,41 @@ def test_max_model_len_wrong_type_is_reported_before_use():
     ],
 )
 def test_max_num_batched_tokens_resolution(kwargs, hf_max, expected):
-    config = EngineArgs(**kwargs).create_engine_config(hf_max)
+    config = EngineArgs(**kwargs).create_engine_config(source(hf_max))
     assert config.scheduler_config.max_num_batched_tokens == expected
 
 
 def test_explicit_budget_below_max_model_len_without_chunking_is_an_error():
     args = EngineArgs(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_num_seqs=8)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=1024 .* max_model_len=4096"):
-        args.create_engine_config(4096)
+        args.create_engine_config(source(4096))
 
 
 def test_attention_backend_falls_back_to_env(monkeypatch):
     monkeypatch.setenv("FD_ATTENTION_BACKEND", "torch_native")
-    assert EngineArgs().create_engine_config().device_config.attention_backend == "torch_native"
-    config = EngineArgs(attention_backend="flashinfer").create_engine_config()
+    config = EngineArgs(device="cpu").create_engine_config(source(8192))
+    assert config.device_config.attention_backend == "torch_native"
+    config = EngineArgs(device="cuda", attention_backend="flashinfer").create_engine_config(
+        source(8192)
+    )
     assert config.device_config.attention_backend == "flashinfer"
+
+
+def test_device_and_backend_are_resolved_before_the_policy(monkeypatch):
+    """The resolved config records what will run; the policy only reads it."""
+    monkeypatch.delenv("FD_ATTENTION_BACKEND", raising=False)
+    config = EngineArgs(device="cpu").create_engine_config(source(8192))
+    assert (config.device_config.device, config.device_config.attention_backend) == (
+        "cpu",
+        "torch_native",
+    )
+    config = EngineArgs(device="cuda", attention_backend="torch_native").create_engine_config(
+        source(8192)
+    )
+    plan = resolve_graph_plan(config)
+    assert not plan.decode_graphs and plan.prefill_graphs
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineArgs(device="cpu", attention_backend="flashinfer").create_engine_config(source(8))
 
 
 # ------------------------------------------------------------------ unsupported settings
@@ -186,17 +213,18 @@ def test_attention_backend_falls_back_to_env(monkeypatch):
 )
 def test_check_supported(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(**kwargs).check_supported()
-    EngineArgs().check_supported()
+        EngineArgs(**kwargs).create_engine_config(source(8192)).check_supported()
+    EngineArgs().create_engine_config(source(8192)).check_supported()
 
 
 def test_unsupported_config_still_resolves_a_plan(monkeypatch):
     """``--print-config`` must show a prefill node's plan: create_engine_config does not refuse."""
     monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
     monkeypatch.delenv("FD_BLOCK_WISE_CUDA_GRAPH_SIZES", raising=False)
-    args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2)
-    plan = resolve_graph_plan(args.create_engine_config(8192), "cuda")
+    args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2, device="cuda")
+    plan = resolve_graph_plan(args.create_engine_config(source(8192)))
     assert not plan.decode_graphs and not plan.prefill_graphs
     assert any("swap_space=4 GiB" in r for r in plan.reasons)
-    plan = resolve_graph_plan(EngineArgs(splitwise_role="prefill").create_engine_config(), "cuda")
+    config = EngineArgs(splitwise_role="prefill", device="cuda").create_engine_config(source(64))
+    plan = resolve_graph_plan(config)
     assert plan.prefill_graphs and not plan.decode_graphs

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.graph_optimization.capture import _dummy
+from fastdeploy.core.request import Request
 from fastdeploy.model_executor.graph_optimization.piecewise import (
     PiecewiseGraph,
     SegmentBuffers,
     make_segments,
 )
+from fastdeploy.worker.input_batch import dummy_step
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -174,6 +175,21 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm):
     assert len(tokens(llm, [[5, 6, 7]])[0]) == 20
 
 
+def test_engine_and_scheduler_share_one_length_rule(llm):
+    """A prompt of max_model_len tokens leaves no room for output: check_request and the
+    scheduler refuse it with the same message; one token fewer goes through both."""
+    engine, n = llm.engine, llm.engine.max_model_len
+    with pytest.raises(ValueError, match=f"{n} tokens, but max_model_len is {n}") as front:
+        engine.check_request([5] * n)
+    with pytest.raises(ValueError) as back:
+        engine.scheduler.add_request(Request("direct", [5] * n, GREEDY))
+    assert str(back.value) == f"request 'direct': {front.value}"
+    engine.check_request([5] * (n - 1))
+    out = llm.generate([[5] * (n - 1)], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert not engine.has_unfinished_requests()
+
+
 def test_bad_model_and_engine_args(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
@@ -191,9 +207,9 @@ def piecewise_setup(llm):
     states for the real rows, the bucket's segments, their buffers)."""
     runner = llm.engine.worker.runner
     backend = runner.attn_backend
-    sched = _dummy([20, 7, 13], 0, 16, share_block=False)
+    sched = dummy_step([20, 7, 13], 16)
     inputs = runner.buffers.prepare(sched, padded=48)
-    meta = runner.build_forward_meta(inputs, "piecewise")
+    meta = runner.build_forward_meta(inputs)
     expected = runner.model(inputs.input_ids, inputs.positions, meta)[:40].clone()
     bufs = SegmentBuffers(
         64,

@@ -9,6 +9,7 @@ import pytest
 
 from fastdeploy.config import (
     CacheConfig,
+    DeviceConfig,
     FDConfig,
     GraphOptimizationConfig,
     ParallelConfig,
@@ -23,6 +24,7 @@ from fastdeploy.model_executor.graph_optimization.policy import (
     check_block_wise_env,
     resolve_graph_plan,
 )
+from fastdeploy.platforms import get_platform
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +39,14 @@ def make_config(
     max_num_batched_tokens: int = 512,
     splitwise_role: str = "mixed",
     swap_space: float = 0,
+    platform: str = "cuda",
     **graph: object,
 ) -> FDConfig:
+    """A resolved config on ``platform`` with its default attention backend."""
     return FDConfig(
+        device_config=DeviceConfig(
+            device=platform, attention_backend=get_platform(platform).default_attention_backend
+        ),
         cache_config=CacheConfig(swap_space=swap_space),
         parallel_config=ParallelConfig(splitwise_role=splitwise_role),
         scheduler_config=SchedulerConfig(
@@ -54,7 +61,7 @@ def has_reason(plan: GraphPlan, *fragments: str) -> bool:
 
 
 def test_default_cuda_plan_turns_both_on():
-    plan = resolve_graph_plan(make_config(), "cuda")
+    plan = resolve_graph_plan(make_config())
     assert plan.decode_graphs and plan.prefill_graphs
     assert plan.decode_capture_sizes == default_decode_sizes(64)
     assert plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
@@ -63,26 +70,36 @@ def test_default_cuda_plan_turns_both_on():
 
 
 def test_rule1_cpu_platform_turns_all_off():
-    plan = resolve_graph_plan(make_config(), "cpu")
+    plan = resolve_graph_plan(make_config(platform="cpu"))
     assert not plan.decode_graphs and not plan.prefill_graphs
     assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
     assert has_reason(plan, "all graphs off", "'cpu'", "cannot capture")
 
 
-def test_unknown_platform_is_an_error():
-    with pytest.raises(ValueError, match=r"platform='tpu' is invalid; allowed: cuda, cpu"):
-        resolve_graph_plan(make_config(), "tpu")
+def test_unresolved_device_or_unknown_backend_is_an_error():
+    config = make_config()
+    config.device_config = DeviceConfig(device="auto", attention_backend="flashinfer")
+    with pytest.raises(
+        ValueError, match=r"device_config=.*'auto'.*EngineArgs.create_engine_config"
+    ):
+        resolve_graph_plan(config)
+    config.device_config = DeviceConfig(device="cuda", attention_backend=None)
+    with pytest.raises(ValueError, match=r"device_config=.*None.*resolved"):
+        resolve_graph_plan(config)
+    config.device_config = DeviceConfig(device="cuda", attention_backend="flashattn")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flashattn'; valid"):
+        resolve_graph_plan(config)
 
 
 def test_rule2_use_cudagraph_false_turns_all_off():
-    plan = resolve_graph_plan(make_config(use_cudagraph=False), "cuda")
+    plan = resolve_graph_plan(make_config(use_cudagraph=False))
     assert not plan.decode_graphs and not plan.prefill_graphs
     assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
     assert has_reason(plan, "all graphs off", "use_cudagraph=false")
 
 
 def test_rule3_full_cuda_graph_turns_prefill_off():
-    plan = resolve_graph_plan(make_config(full_cuda_graph=True), "cuda")
+    plan = resolve_graph_plan(make_config(full_cuda_graph=True))
     assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert plan.full_cuda_graph
@@ -90,35 +107,35 @@ def test_rule3_full_cuda_graph_turns_prefill_off():
 
 
 def test_rule4_prefill_node_decode_off_prefill_on():
-    plan = resolve_graph_plan(make_config(splitwise_role="prefill"), "cuda")
+    plan = resolve_graph_plan(make_config(splitwise_role="prefill"))
     assert not plan.decode_graphs and plan.decode_capture_sizes == []
     assert plan.prefill_graphs and plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
     assert has_reason(plan, "decode graphs off", "splitwise_role=prefill")
 
 
 def test_rule4_prefill_node_with_full_cuda_graph_has_nothing_to_capture():
-    plan = resolve_graph_plan(make_config(splitwise_role="prefill", full_cuda_graph=True), "cuda")
+    plan = resolve_graph_plan(make_config(splitwise_role="prefill", full_cuda_graph=True))
     assert not plan.any_graphs
     assert plan.decode_capture_sizes == [] and plan.prefill_capture_sizes == []
     assert has_reason(plan, "nothing to capture", "prefill node", "full_cuda_graph=true")
 
 
 def test_rule5_decode_node_turns_prefill_off():
-    plan = resolve_graph_plan(make_config(splitwise_role="decode"), "cuda")
+    plan = resolve_graph_plan(make_config(splitwise_role="decode"))
     assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert has_reason(plan, "prefill graphs off", "splitwise_role=decode")
 
 
 def test_rule6_cudagraph_only_prefill_turns_decode_off():
-    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True), "cuda")
+    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True))
     assert not plan.decode_graphs and plan.decode_capture_sizes == []
     assert plan.prefill_graphs and plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
     assert has_reason(plan, "decode graphs off", "cudagraph_only_prefill=true")
 
 
 def test_rule7_swap_space_turns_prefill_off_decode_unaffected():
-    plan = resolve_graph_plan(make_config(swap_space=4), "cuda")
+    plan = resolve_graph_plan(make_config(swap_space=4))
     assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert has_reason(plan, "prefill graphs off", "host KV tier", "swap_space=4 GiB", "layer by")
@@ -127,7 +144,7 @@ def test_rule7_swap_space_turns_prefill_off_decode_unaffected():
 def test_rule7_applies_to_prefill_node_path():
     """The combination the upstream change missed: prefill node + swap space + piecewise."""
     config = make_config(splitwise_role="prefill", swap_space=2.5, full_cuda_graph=False)
-    plan = resolve_graph_plan(config, "cuda")
+    plan = resolve_graph_plan(config)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert not plan.decode_graphs
     assert has_reason(plan, "prefill graphs off", "host KV tier", "swap_space=2.5 GiB")
@@ -135,28 +152,28 @@ def test_rule7_applies_to_prefill_node_path():
 
 
 def test_rule7_applies_to_cudagraph_only_prefill_path():
-    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True, swap_space=1), "cuda")
+    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True, swap_space=1))
     assert not plan.any_graphs
     assert has_reason(plan, "prefill graphs off", "swap_space=1 GiB")
 
 
 def test_rule8_default_ladders_capped():
-    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50), "cuda")
+    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50))
     assert plan.decode_capture_sizes == [20, 16, 8, 4, 2, 1]
     assert plan.prefill_capture_sizes == [50, 48, 40, 32, 24, 16, 8, 4, 2, 1]
     big = make_config(max_num_seqs=1024, max_num_batched_tokens=16384)
-    plan = resolve_graph_plan(big, "cuda")
+    plan = resolve_graph_plan(big)
     assert max(plan.decode_capture_sizes) == 512  # min(512, max_num_seqs)
     assert max(plan.prefill_capture_sizes) == 8192  # min(max_capture_shape_prefill, budget)
     capped = make_config(max_num_batched_tokens=4096, max_capture_shape_prefill=1000)
-    assert max(resolve_graph_plan(capped, "cuda").prefill_capture_sizes) == 1000
+    assert max(resolve_graph_plan(capped).prefill_capture_sizes) == 1000
 
 
 def test_rule8_explicit_sizes_deduplicated_sorted_not_truncated():
     config = make_config(
         cudagraph_capture_sizes=[1, 64, 8, 8], cudagraph_capture_sizes_prefill=[16, 512, 3]
     )
-    plan = resolve_graph_plan(config, "cuda")
+    plan = resolve_graph_plan(config)
     assert plan.decode_capture_sizes == [64, 8, 1]
     assert plan.prefill_capture_sizes == [512, 16, 3]
 
@@ -165,30 +182,32 @@ def test_rule8_explicit_sizes_above_limits_are_errors_even_after_edit():
     config = make_config()
     config.graph_opt_config.cudagraph_capture_sizes = [128]  # edited after validation
     with pytest.raises(ValueError, match=r"cudagraph_capture_sizes=\[128\].*max_num_seqs=64"):
-        resolve_graph_plan(config, "cuda")
+        resolve_graph_plan(config)
 
 
 def test_unresolved_budget_is_an_error_when_prefill_graphs_are_on():
-    config = FDConfig()  # max_num_batched_tokens=None: not built by EngineArgs
+    config = make_config()
+    config.scheduler_config = SchedulerConfig()  # max_num_batched_tokens=None: not resolved
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=None is invalid.*resolved"):
-        resolve_graph_plan(config, "cuda")
-    assert resolve_graph_plan(config, "cpu").reasons  # nothing needs the budget off CUDA
+        resolve_graph_plan(config)
+    config.device_config = DeviceConfig(device="cpu", attention_backend="torch_native")
+    assert resolve_graph_plan(config).reasons  # nothing needs the budget off CUDA
 
 
 def test_graph_opt_level_is_carried():
-    plan = resolve_graph_plan(make_config(graph_opt_level=2), "cuda")
+    plan = resolve_graph_plan(make_config(graph_opt_level=2))
     assert plan.graph_opt_level == 2
 
 
 def test_plan_round_trips_through_json():
-    plan = resolve_graph_plan(make_config(swap_space=4), "cuda")
+    plan = resolve_graph_plan(make_config(swap_space=4))
     again = GraphPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
     assert "decode graphs (full): on" in again.describe()
 
 
 def test_plan_from_dict_rejects_unknown_key_and_inconsistency():
-    data = resolve_graph_plan(make_config(), "cuda").to_dict()
+    data = resolve_graph_plan(make_config()).to_dict()
     with pytest.raises(ValueError, match=r"unknown graph plan key 'decode_graph'.*decode_graphs"):
         GraphPlan.from_dict({**data, "decode_graph": True})
     with pytest.raises(ValueError, match=r"decode_capture_sizes=\[\] is invalid"):
@@ -197,12 +216,54 @@ def test_plan_from_dict_rejects_unknown_key_and_inconsistency():
         GraphPlan.from_dict({**data, "prefill_capture_sizes": [1, 2]})
 
 
-def test_plan_buckets():
-    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50), "cuda")
-    assert plan.decode_bucket(3) == 4
-    assert plan.decode_bucket(21) is None
-    assert plan.prefill_bucket(49) == 50
-    assert plan.prefill_bucket(51) is None
+# ---------------------------------------------------------------- dispatch (pure, every branch)
+def test_dispatch_decode_only_replays_the_smallest_decode_bucket():
+    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50))
+    assert plan.dispatch(True, 3, 3) == ("full", 4)
+    assert plan.dispatch(True, 4, 4) == ("full", 4)  # exact hit: no padding
+    assert plan.dispatch(True, 1, 1) == ("full", 1)
+    assert plan.dispatch(True, 20, 20) == ("full", 20)
+
+
+def test_dispatch_decode_above_the_largest_decode_bucket_runs_eagerly():
+    """The rule once hidden in the graph runner: never a piecewise bucket for such a step."""
+    config = make_config(
+        max_num_seqs=64, cudagraph_capture_sizes=[8, 4], cudagraph_capture_sizes_prefill=[64]
+    )
+    plan = resolve_graph_plan(config)
+    assert plan.dispatch(True, 9, 9) == ("eager", None)  # a 64-token piecewise bucket would fit
+
+
+def test_dispatch_prefill_and_mixed_replay_the_smallest_token_bucket():
+    plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50))
+    assert plan.dispatch(False, 1, 49) == ("piecewise", 50)
+    assert plan.dispatch(False, 3, 17) == ("piecewise", 24)  # mixed: 3 requests, 17 tokens
+    assert plan.dispatch(False, 1, 8) == ("piecewise", 8)
+
+
+def test_dispatch_prefill_above_the_largest_token_bucket_runs_eagerly():
+    config = make_config(max_num_batched_tokens=64, cudagraph_capture_sizes_prefill=[32, 16])
+    plan = resolve_graph_plan(config)
+    assert plan.dispatch(False, 1, 33) == ("eager", None)
+
+
+def test_dispatch_decode_only_without_decode_graphs_takes_a_piecewise_bucket():
+    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True))
+    assert not plan.decode_graphs
+    assert plan.dispatch(True, 3, 3) == ("piecewise", 4)
+
+
+def test_dispatch_with_prefill_graphs_off():
+    plan = resolve_graph_plan(make_config(full_cuda_graph=True))
+    assert plan.dispatch(False, 1, 16) == ("eager", None)
+    assert plan.dispatch(True, 2, 2) == ("full", 2)
+
+
+def test_dispatch_with_all_graphs_off_is_always_eager():
+    plan = resolve_graph_plan(make_config(platform="cpu"))
+    assert not plan.any_graphs
+    assert plan.dispatch(True, 1, 1) == ("eager", None)
+    assert plan.dispatch(False, 1, 16) == ("eager", None)
 
 
 # ---------------------------------------------------------------- block-wise environment variables
@@ -219,14 +280,14 @@ def test_block_wise_true_value_stops_startup(monkeypatch, name, value):
     assert name in message and "block-wise CUDA graphs are gone" in message
     assert '{"full_cuda_graph": false}' in message
     with pytest.raises(ValueError, match="block-wise"):  # the policy calls it
-        resolve_graph_plan(make_config(), "cuda")
+        resolve_graph_plan(make_config())
 
 
 @pytest.mark.parametrize("name", BLOCK_WISE)
 def test_block_wise_zero_only_warns(monkeypatch, caplog, name):
     monkeypatch.setenv(name, "0")
     with caplog.at_level(logging.WARNING):
-        plan = resolve_graph_plan(make_config(), "cuda")
+        plan = resolve_graph_plan(make_config())
     assert plan.decode_graphs and plan.prefill_graphs
     assert any(name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
@@ -239,11 +300,9 @@ def test_block_wise_unset_or_empty_is_silent(monkeypatch, caplog):
 
 
 def test_torch_native_attention_turns_decode_graphs_off_keeps_piecewise():
-    from fastdeploy.config import DeviceConfig
-
     config = make_config()
     config.device_config = DeviceConfig(device="cuda", attention_backend="torch_native")
-    plan = resolve_graph_plan(config, "cuda")
+    plan = resolve_graph_plan(config)  # the backend class says it cannot capture decode
     assert not plan.decode_graphs and plan.decode_capture_sizes == []
     assert plan.prefill_graphs and plan.prefill_capture_sizes
     assert has_reason(plan, "decode graphs off", "torch_native")

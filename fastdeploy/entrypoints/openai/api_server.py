@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy.config import FDConfig
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.protocol import (
@@ -42,6 +43,9 @@ from fastdeploy.entrypoints.openai.protocol import (
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_utils import APIError, validation_message
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -222,32 +226,38 @@ def _port(text: str) -> int:
     return port
 
 
-def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
-    """``{"config", "graph_plan", "server"}`` for ``--print-config``; reads only the HF config.
+def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan) -> dict[str, Any]:
+    """``{"config", "graph_plan", "server", "not_supported_yet"}`` for ``--print-config``: the
+    same resolved config and plan a started server would run (no weights are read).
 
     ``config`` round-trips through :meth:`fastdeploy.config.FDConfig.from_dict`.
     """
-    from fastdeploy.engine.engine import LLMEngine
-
-    engine_args = EngineArgs.from_cli_args(args)
-    config, plan = LLMEngine.resolve_config(engine_args)
-    try:
-        engine_args.check_supported()
-        not_supported = None
-    except ValueError as e:  # the plan is still shown: a deployment can be checked anywhere
-        not_supported = str(e)
     server = {
         "host": args.host,
         "port": args.port,
         "served_model_name": served_name(args),
         "max_concurrency": args.max_concurrency,
     }
+    not_supported = config.not_supported_yet()
     return {
         "config": config.to_dict(),
         "graph_plan": plan.to_dict(),
         "server": server,
-        "not_supported_yet": not_supported,
+        "not_supported_yet": "; ".join(not_supported) if not_supported else None,
     }
+
+
+def resolve(args: argparse.Namespace) -> tuple[FDConfig, GraphPlan]:
+    """Resolve the server's arguments once: ``EngineArgs`` -> validated :class:`FDConfig`
+    (model source, device and attention backend decided) -> the graph plan.
+
+    Raises:
+        ValueError: a bad argument; FileNotFoundError: the model does not exist.
+    """
+    from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    return config, resolve_graph_plan(config)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -265,12 +275,13 @@ def run_server(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        config, plan = resolve(args)
         if args.print_config:
-            print(json.dumps(resolved_config(args), indent=2))
+            print(json.dumps(resolved_config(args, config, plan), indent=2))
             return 0
         from fastdeploy.engine.engine import LLMEngine
 
-        core = LLMEngine(EngineArgs.from_cli_args(args))
+        core = LLMEngine(config, plan)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,23 +36,28 @@ def get_attention_backend_cls(name: str) -> type[AttentionBackend]:
 
 
 def select_attention_backend(requested: str | None, device_type: str) -> type[AttentionBackend]:
-    """The backend to use: ``requested`` if given; on CUDA flashinfer when it imports (else the
-    torch-native backend with a warning); on CPU the torch-native backend.
+    """The backend to use: ``requested`` if given; otherwise the platform's default
+    (:attr:`fastdeploy.platforms.Platform.default_attention_backend`: flashinfer on CUDA, the
+    torch-native backend on CPU). On CUDA without flashinfer installed, the default falls back to
+    the torch-native backend with a warning. Called once, when the engine config is resolved.
 
     Raises:
-        ValueError: unknown name, or flashinfer named on a CPU device.
+        ValueError: unknown name or device, or flashinfer named on a CPU device.
     """
+    from fastdeploy.platforms import get_platform
+
+    platform = get_platform(device_type)
     if requested is not None:
-        if requested == "flashinfer" and device_type != "cuda":
+        if requested == "flashinfer" and platform.name != "cuda":
             raise ValueError(
                 "attention_backend='flashinfer' needs a CUDA device; on CPU use 'torch_native'"
             )
         return get_attention_backend_cls(requested)
-    if device_type == "cuda":
-        if importlib.util.find_spec("flashinfer") is not None:
-            return get_attention_backend_cls("flashinfer")
+    default = platform.default_attention_backend
+    if default == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         logger.warning(
             "flashinfer is not installed; using the torch_native attention backend "
             "(pip install flashinfer-python)"
         )
-    return get_attention_backend_cls("torch_native")
+        default = "torch_native"
+    return get_attention_backend_cls(default)
