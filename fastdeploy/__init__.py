@@ -5,8 +5,12 @@
 
 from __future__ import annotations
 
+from fastdeploy import envs as _envs
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
+
+_envs.apply_log_level()
 
 
 def __getattr__(name: str):

@@ -135,7 +135,9 @@ FD_LOG_LEVEL = EnvVar(
     "str",
     _parse_log_level,
     "INFO",
-    "Level of the 'fastdeploy' loggers: " + ", ".join(LOG_LEVELS) + " (case-insensitive).",
+    "Level of the 'fastdeploy' loggers when set: " + ", ".join(LOG_LEVELS) + " (case-insensitive); "
+    "applied when fastdeploy is imported. Unset, they follow the root logger (the server's "
+    "--log-level).",
 )
 
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
@@ -156,3 +158,16 @@ def get(name: str) -> Any:
 def describe() -> list[EnvVar]:
     """All variables, sorted by name (for ``--help`` epilogues and documentation)."""
     return [_VARS[n] for n in sorted(_VARS)]
+
+
+def apply_log_level() -> None:
+    """Set the level of the ``fastdeploy`` logger (and so of every module logger under it) from
+    ``FD_LOG_LEVEL`` when that variable is set; unset, leave it to inherit from the root logger.
+
+    Raises:
+        ValueError: ``FD_LOG_LEVEL`` is set to an unknown level.
+    """
+    if os.environ.get(FD_LOG_LEVEL.name):
+        import logging
+
+        logging.getLogger("fastdeploy").setLevel(FD_LOG_LEVEL())

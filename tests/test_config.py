@@ -230,3 +230,35 @@ def test_envs_misuse_is_loud():
     with pytest.raises(KeyError, match="FD_LOG_LEVEL"):
         envs.get("FD_LOG_LEVL")
     assert {v.name for v in envs.describe()} >= {"FD_LOG_LEVEL", "FD_USE_BLOCK_WISE_CUDA_GRAPH"}
+
+
+def test_use_unique_memory_pool_false_is_refused_with_the_reason():
+    """One pool is the design; the knob exists for FastDeploy users' configs and only accepts it."""
+    assert GraphOptimizationConfig(use_unique_memory_pool=True).use_unique_memory_pool
+    with pytest.raises(ValueError) as err:
+        GraphOptimizationConfig.from_value('{"use_unique_memory_pool": false}')
+    message = str(err.value)
+    assert "use_unique_memory_pool=False is invalid" in message
+    assert "shares one memory pool by design" in message
+
+
+@pytest.mark.parametrize(("value", "level"), [("debug", 10), ("WARNING", 30), ("", 0)])
+def test_fd_log_level_sets_the_fastdeploy_logger(value, level):
+    """FD_LOG_LEVEL does what its name says: the level of the 'fastdeploy' loggers (unset or
+    empty: they inherit, level 0)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, fastdeploy; "
+        "print(logging.getLogger('fastdeploy').level, "
+        "logging.getLogger('fastdeploy.engine.engine').getEffectiveLevel())"
+    )
+    env = {**os.environ, "FD_LOG_LEVEL": value}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert int(out[0]) == level
+    if level:
+        assert int(out[1]) == level
