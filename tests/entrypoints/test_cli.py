@@ -79,3 +79,28 @@ def test_print_config_of_a_prefill_node_with_swap_space_on_cuda(capsys, monkeypa
     assert any("swap_space" in r for r in plan["reasons"])
     assert "splitwise_role" in out["not_supported_yet"]
     assert FDConfig.from_dict(out["config"]).parallel_config.splitwise_role == "prefill"
+
+
+def test_print_config_resolves_the_backend_before_the_plan(capsys, monkeypatch):
+    """The resolved config records the backend the plan was made for; naming flashinfer shows a
+    flashinfer host's plan on any machine, and torch_native on CUDA turns decode graphs off with
+    the backend's reason."""
+    import json
+
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+
+    monkeypatch.delenv("FD_ATTENTION_BACKEND", raising=False)
+    for backend, decode in (("flashinfer", True), ("torch_native", False)):
+        args = build_parser().parse_args(
+            ["serve", "--print-config", "--device", "cuda", "--attention-backend", backend]
+        )
+        assert run(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["config"]["device_config"] == {"device": "cuda", "attention_backend": backend}
+        assert out["graph_plan"]["decode_graphs"] is decode
+        assert out["graph_plan"]["prefill_graphs"] is True
+        if not decode:
+            assert any(
+                "torch_native attention backend cannot run inside a full CUDA graph" in r
+                for r in out["graph_plan"]["reasons"]
+            )
