@@ -52,9 +52,8 @@ def test_print_config_equals_the_running_engine(tmp_path_factory):
         }
         # The running engine captured exactly the printed buckets.
         graphs = engine.worker.runner.graph_runner
-        assert sorted(graphs.full, reverse=True) == printed["graph_plan"]["decode_capture_sizes"]
-        assert sorted(graphs.piecewise, reverse=True) == (
-            printed["graph_plan"]["prefill_capture_sizes"]
-        )
+        plan = printed["graph_plan"]
+        assert sorted(graphs.full, reverse=True) == plan["decode_capture_sizes"]
+        assert sorted(graphs.piecewise, reverse=True) == plan["prefill_capture_sizes"]
     finally:
         llm.engine.shutdown()
