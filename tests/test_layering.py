@@ -28,6 +28,7 @@ RANKS = {
     "metrics": 3,
     "engine": 3,
     "entrypoints": 4,
+    "router": 4,
 }
 #: Extra rules stricter than the ranks: (importer prefix, forbidden prefixes).
 FORBIDDEN = [

@@ -1,0 +1,357 @@
+"""``fastdeploy router``: one OpenAI-compatible front for PD pairs or plain replicas.
+
+PD mode follows vLLM's ``kv_transfer_params`` protocol (``docs/pd-disaggregation.md``, shared docs):
+
+1. prefill leg: the client's body with ``kv_transfer_params: {"do_remote_decode": true}``,
+   ``max_tokens: 1`` and ``stream: false`` to one prefill node, retried on a connection error or a
+   503 (on the next healthy node, ``prefill_retries`` times);
+2. decode leg: the client's original body plus the ``kv_transfer_params`` the prefill node answered
+   with, to one decode node, never retried; its answer (a stream or JSON) is passed through as is.
+   When it fails before answering, the router sends ABORT to the prefill node's side channel so the
+   blocks it holds for the transfer are freed now rather than at lease expiry.
+
+Plain mode forwards each request to one backend. Both modes pass ``X-Request-Id`` (generated when
+the client sent none) to every leg and back, serve ``/v1/models``, ``/health`` and ``/metrics``,
+and poll each backend's ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from fastdeploy.router.config import RouterConfig
+from fastdeploy.router.endpoints import (
+    Endpoint,
+    EndpointPool,
+    NoHealthyBackendError,
+    poll_health,
+)
+from fastdeploy.splitwise.side_channel import SideChannelError, send_control
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID = "X-Request-Id"
+#: Seconds to wait for a connection to a backend (the legs' own limits come from the config).
+CONNECT_TIMEOUT_S = 5.0
+
+
+class LegError(Exception):
+    """A leg failed before the backend answered: answer the client with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str, request_id: str) -> JSONResponse:
+    """An OpenAI-style error body, with the request id header."""
+    kind = "service_unavailable" if status == 503 else "router_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers={REQUEST_ID: request_id})
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "fastdeploy:router_requests",
+            "Requests answered by the router, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "fastdeploy:router_prefill_retries",
+            "Prefill legs tried again after a connection error or a 503.",
+            registry=self.registry,
+        )
+        self.aborts = Counter(
+            "fastdeploy:router_prefill_aborts",
+            "ABORTs sent to a prefill node after its decode leg failed, by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.leg_seconds = Histogram(
+            "fastdeploy:router_leg_seconds",
+            "Seconds until a backend answered (headers), by leg.",
+            ["leg"],
+            registry=self.registry,
+        )
+
+
+def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The router's FastAPI app. Its lifespan starts the health poller (and the HTTP client when
+    none is given) and stops them."""
+    if config.is_pd:
+        pools = {
+            "prefill": EndpointPool("prefill", config.prefill, config.policy),
+            "decode": EndpointPool("decode", config.decode, config.policy),
+        }
+    else:
+        pools = {"backend": EndpointPool("backend", config.backend, config.policy)}
+    metrics = RouterMetrics()
+    state: dict[str, Any] = {"client": client}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        own = state["client"] is None
+        if own:
+            state["client"] = httpx.AsyncClient(timeout=None)
+        poller = asyncio.create_task(
+            poll_health(list(pools.values()), state["client"], config.health_interval_s)
+        )
+        try:
+            yield
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+            if own:
+                await state["client"].aclose()
+
+    app = FastAPI(title="fastdeploy router", lifespan=lifespan)
+    app.state.pools = pools
+    app.state.metrics = metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        if all(p.any_healthy for p in pools.values()):
+            return JSONResponse({"status": "ok"})
+        down = [p.role for p in pools.values() if not p.any_healthy]
+        return JSONResponse({"status": "unavailable", "no_healthy": down}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(raw: HTTPRequest) -> Response:
+        request_id = raw.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        pool = pools["decode" if config.is_pd else "backend"]
+        try:
+            endpoint = pool.pick()
+        except NoHealthyBackendError as e:
+            return error_response(503, str(e), request_id)
+        try:
+            r = await state["client"].get(endpoint.url + "/v1/models", timeout=CONNECT_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return error_response(502, f"{endpoint.url}: {type(e).__name__}: {e}", request_id)
+        finally:
+            pool.release(endpoint)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    async def route(raw: HTTPRequest, path: str) -> Response:
+        request_id = raw.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        try:
+            body = await raw.json()
+        except ValueError:
+            return error_response(400, "the body is not valid JSON", request_id)
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object", request_id)
+        router = _Legs(config, pools, state["client"], metrics, request_id)
+        try:
+            if config.is_pd:
+                response = await router.pd(path, body)
+            else:
+                response = await router.forward(pools["backend"], path, body, "backend")
+        except LegError as e:
+            metrics.requests.labels("error").inc()
+            return error_response(e.status, str(e), request_id)
+        metrics.requests.labels("ok" if response.status_code < 400 else "backend_error").inc()
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: HTTPRequest) -> Response:
+        return await route(raw, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(raw: HTTPRequest) -> Response:
+        return await route(raw, "/v1/completions")
+
+    return app
+
+
+class _Legs:
+    """The legs of one client request."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        pools: dict[str, EndpointPool],
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        request_id: str,
+    ) -> None:
+        self.config, self.pools, self.client = config, pools, client
+        self.metrics, self.request_id = metrics, request_id
+
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=CONNECT_TIMEOUT_S)
+
+    async def _send(
+        self, endpoint: Endpoint, path: str, body: dict, timeout_s: float, leg: str
+    ) -> httpx.Response:
+        """POST ``body``; returns the response with its body not yet read (streamed)."""
+        request = self.client.build_request(
+            "POST",
+            endpoint.url + path,
+            json=body,
+            headers={REQUEST_ID: self.request_id},
+            timeout=self._timeout(timeout_s),
+        )
+        start = time.monotonic()
+        response = await self.client.send(request, stream=True)
+        self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - start)
+        return response
+
+    async def forward(
+        self, pool: EndpointPool, path: str, body: dict, leg: str, on_fail=None
+    ) -> Response:
+        """Send ``body`` to one endpoint of ``pool`` and pass its answer through (streamed when
+        the backend streams). ``on_fail`` runs when no answer came back, or an error status.
+
+        Raises:
+            LegError: no healthy endpoint (503), or the connection failed (502) or timed out
+                (504) before an answer.
+        """
+        try:
+            endpoint = pool.pick()
+        except NoHealthyBackendError as e:
+            raise LegError(503, str(e)) from e
+        try:
+            response = await self._send(endpoint, path, body, self.config.decode_timeout_s, leg)
+        except httpx.HTTPError as e:
+            pool.release(endpoint)
+            if isinstance(e, httpx.ConnectError):
+                endpoint.healthy = False
+            if on_fail is not None:
+                await on_fail()
+            status = 504 if isinstance(e, httpx.TimeoutException) else 502
+            raise LegError(status, f"{leg} {endpoint.url}: {type(e).__name__}: {e}") from e
+        if response.status_code >= 400 and on_fail is not None:
+            await on_fail()  # the backend refused the leg: nothing will consume what it needed
+        headers = {REQUEST_ID: self.request_id}
+        media_type = response.headers.get("content-type")
+
+        async def passthrough():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+                pool.release(endpoint)
+
+        return StreamingResponse(
+            passthrough(), status_code=response.status_code, headers=headers, media_type=media_type
+        )
+
+    async def pd(self, path: str, body: dict) -> Response:
+        """Prefill leg, then decode leg with the prefill node's ``kv_transfer_params``."""
+        params = await self.prefill(path, body)
+        decode_body = copy.deepcopy(body)
+        decode_body["kv_transfer_params"] = params
+
+        async def abort() -> None:
+            await self.abort_prefill(params)
+
+        return await self.forward(self.pools["decode"], path, decode_body, "decode", abort)
+
+    async def prefill(self, path: str, body: dict) -> dict:
+        """Run the prefill leg and return the ``kv_transfer_params`` the node answered with.
+
+        Raises:
+            LegError: every try failed (the last status), the node answered an error (its
+                status and message), or its answer has no ``kv_transfer_params`` (502).
+        """
+        leg = copy.deepcopy(body)
+        leg["kv_transfer_params"] = {"do_remote_decode": True}
+        leg["max_tokens"] = 1
+        leg.pop("max_completion_tokens", None)
+        leg["stream"] = False
+        leg.pop("stream_options", None)
+        pool = self.pools["prefill"]
+        tried: tuple[Endpoint, ...] = ()
+        last = LegError(503, "no prefill try was made")
+        for attempt in range(self.config.prefill_retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+            try:
+                endpoint = pool.pick(exclude=tried)
+            except NoHealthyBackendError as e:
+                raise LegError(503, str(e)) from e
+            tried += (endpoint,)
+            try:
+                response = await self._send(
+                    endpoint, path, leg, self.config.prefill_timeout_s, "prefill"
+                )
+                content = await response.aread()
+                await response.aclose()
+            except httpx.ConnectError as e:
+                endpoint.healthy = False
+                last = LegError(502, f"prefill {endpoint.url}: {type(e).__name__}: {e}")
+                continue
+            except httpx.HTTPError as e:
+                status = 504 if isinstance(e, httpx.TimeoutException) else 502
+                raise LegError(status, f"prefill {endpoint.url}: {type(e).__name__}: {e}") from e
+            finally:
+                pool.release(endpoint)
+            if response.status_code == 503:
+                last = LegError(503, f"prefill {endpoint.url} answered 503: {content[:500]!r}")
+                continue
+            if response.status_code != 200:
+                raise LegError(response.status_code, _error_message(content, endpoint.url))
+            try:
+                params = httpx.Response(200, content=content).json().get("kv_transfer_params")
+            except ValueError:
+                params = None
+            if not isinstance(params, dict):
+                raise LegError(
+                    502,
+                    f"prefill {endpoint.url} answered without kv_transfer_params; is it started "
+                    "with --splitwise-role prefill?",
+                )
+            return params
+        raise last
+
+    async def abort_prefill(self, params: dict) -> None:
+        """Best effort: tell the prefill node to free the blocks it holds for this request."""
+        host, port = params.get("remote_host"), params.get("remote_port")
+        request_id = params.get("remote_request_id")
+        if not (host and port and request_id):
+            self.metrics.aborts.labels("no_address").inc()
+            return
+        try:
+            await asyncio.to_thread(send_control, host, int(port), "ABORT", [str(request_id)])
+            self.metrics.aborts.labels("sent").inc()
+        except (SideChannelError, ValueError) as e:
+            self.metrics.aborts.labels("failed").inc()
+            logger.warning("ABORT of %s to %s:%s failed: %s", request_id, host, port, e)
+
+
+def _error_message(content: bytes, url: str) -> str:
+    """The backend's OpenAI-style error message, or its raw body."""
+    try:
+        message = httpx.Response(200, content=content).json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content[:500].decode(errors="replace")
+    return f"{url}: {message}"

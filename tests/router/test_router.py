@@ -1,0 +1,235 @@
+"""``fastdeploy router`` in front of fake servers: the PD legs as vLLM's protocol has them, plain
+replicas, retries, ABORT on a failed decode leg, health, request ids, and config errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from router_utils import fake_server, free_port, serve
+
+from fastdeploy.router.app import build_router_app
+from fastdeploy.router.config import RouterConfig
+from fastdeploy.router.endpoints import EndpointPool, NoHealthyBackendError
+from fastdeploy.splitwise.side_channel import SideChannelServer
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+
+
+def metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def kv_params(side_port: int) -> dict:
+    return {
+        "remote_engine_id": "p0",
+        "remote_request_id": "p-req-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": side_port,
+        "remote_block_ids": [3, 4],
+        "first_token_id": 42,
+    }
+
+
+def router(**config) -> object:
+    config.setdefault("health_interval_s", 0.2)
+    return serve(build_router_app(RouterConfig(**config)))
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "either --prefill and --decode URLs"),
+        ({"backend": ["http://a:1"], "prefill": ["http://b:1"]}, "not both"),
+        ({"prefill": ["http://b:1"]}, "at least one prefill URL and one decode URL"),
+        ({"backend": ["ftp://a"]}, "backend='ftp://a' is invalid; allowed: an http://"),
+        ({"backend": ["http://a:1"], "policy": "random"}, "policy='random' is invalid"),
+        ({"backend": ["http://a:1"], "prefill_retries": -1}, "prefill_retries=-1 is invalid"),
+    ],
+)
+def test_config_errors_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kwargs)
+
+
+def test_bad_flag_exits_2_with_one_error_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdeploy.router", "--backend", "localhost:8000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: backend='localhost:8000'")
+
+
+def test_policies():
+    pool = EndpointPool("backend", ["http://a", "http://b", "http://c"], "round_robin")
+    assert [pool.pick().url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    pool = EndpointPool("backend", ["http://a", "http://b"], "least_outstanding")
+    first = pool.pick()
+    assert pool.pick() is not first  # the first one has a request in flight
+    pool.release(first)
+    pool.endpoints[1].healthy = False
+    assert pool.pick().url == "http://a"
+    pool.endpoints[0].healthy = False
+    with pytest.raises(NoHealthyBackendError, match="no healthy backend server"):
+        pool.pick()
+
+
+# ---------------------------------------------------------------- plain mode
+def test_plain_mode_round_robin_streaming_and_request_ids():
+    a, b = fake_server("alpha"), fake_server("bravo")
+    with serve(a) as ua, serve(b) as ub, router(backend=[ua, ub]) as url:
+        texts = [
+            httpx.post(url + "/v1/completions", json=BODY, timeout=10).json()["choices"][0]["text"]
+            for _ in range(4)
+        ]
+        assert texts == ["alpha", "bravo", "alpha", "bravo"]
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={**BODY, "stream": True},
+            headers={"X-Request-Id": "client-7"},
+            timeout=10,
+        ) as r:
+            assert r.headers["x-request-id"] == "client-7"
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join(r.iter_raw())
+        assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") == 3
+        last = a.state.seen[-1]  # the fifth request: alpha's turn
+        assert last[0] == "/v1/chat/completions" and last[1]["x-request-id"] == "client-7"
+        generated = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        assert len(generated.headers["x-request-id"]) == 32  # made up when the client sent none
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] in ("alpha", "bravo")
+        assert metric(url, "fastdeploy:router_requests_total", outcome="ok") == 6
+
+
+def test_health_polling_skips_a_down_backend_and_reports_503_when_all_are_down():
+    a, b = fake_server("alpha"), fake_server("bravo")
+    with serve(a) as ua, serve(b) as ub, router(backend=[ua, ub]) as url:
+        b.state.healthy = False
+        time.sleep(0.6)  # three polls
+        texts = {
+            httpx.post(url + "/v1/completions", json=BODY).json()["choices"][0]["text"]
+            for _ in range(3)
+        }
+        assert texts == {"alpha"}
+        assert httpx.get(url + "/health").status_code == 200
+        a.state.healthy = False
+        time.sleep(0.6)
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["no_healthy"] == ["backend"]
+        r = httpx.post(url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and "no healthy backend server" in r.json()["error"]["message"]
+        a.state.healthy = True
+        time.sleep(0.6)
+        assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_bad_body_is_a_400():
+    with serve(fake_server("alpha")) as ua, router(backend=[ua]) as url:
+        r = httpx.post(url + "/v1/completions", content=b"{nope", timeout=10)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- PD mode
+def test_pd_legs_follow_kv_transfer_params():
+    side = SideChannelServer("127.0.0.1", 0, lambda op, m: {}).start()
+    p, d = fake_server("prefill", kv_params=kv_params(side.port)), fake_server("decode")
+    try:
+        with serve(p) as up, serve(d) as ud, router(prefill=[up], decode=[ud]) as url:
+            body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "r9"}
+            ) as r:
+                assert r.status_code == 200 and r.headers["x-request-id"] == "r9"
+                raw = b"".join(r.iter_raw())
+            assert raw.endswith(b"data: [DONE]\n\n")
+            (_, p_headers, p_body), (_, d_headers, d_body) = p.state.seen[0], d.state.seen[0]
+            assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+            assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+            assert "stream_options" not in p_body and p_body["prompt"] == "hi"
+            assert d_body == {**body, "kv_transfer_params": kv_params(side.port)}
+            assert p_headers["x-request-id"] == d_headers["x-request-id"] == "r9"
+            plain = httpx.post(url + "/v1/completions", json=BODY).json()
+            assert plain["choices"][0]["text"] == "decode"
+    finally:
+        side.close()
+
+
+def test_pd_retries_the_prefill_leg_on_a_dead_node_but_never_the_decode_leg():
+    side = SideChannelServer("127.0.0.1", 0, lambda op, m: {}).start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    p, d = fake_server("prefill", kv_params=kv_params(side.port)), fake_server("decode")
+    try:
+        with serve(p) as up, serve(d) as ud:
+            config = RouterConfig(prefill=[dead, up], decode=[ud], health_interval_s=30)
+            app = build_router_app(config)
+            with serve(app) as url:
+                dead_endpoint = app.state.pools["prefill"].endpoints[0]
+                time.sleep(0.3)  # the first health poll marks it down ...
+                assert not dead_endpoint.healthy
+                dead_endpoint.healthy = True  # ... a request finds out too: pretend it is up
+                for _ in range(2):
+                    r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+                    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode"
+                assert metric(url, "fastdeploy:router_prefill_retries_total") == 1
+                assert not dead_endpoint.healthy  # the connection error marked it down again
+            dead_decode = f"http://127.0.0.1:{free_port()}"
+            config = RouterConfig(
+                prefill=[up], decode=[dead_decode, dead_decode], health_interval_s=30
+            )
+            app = build_router_app(config)
+            with serve(app) as url:
+                time.sleep(0.3)
+                for endpoint in app.state.pools["decode"].endpoints:
+                    endpoint.healthy = True
+                r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+                assert r.status_code == 502 and "ConnectError" in r.json()["error"]["message"]
+                assert metric(url, "fastdeploy:router_prefill_retries_total") == 0
+                healthy = [e.healthy for e in app.state.pools["decode"].endpoints]
+                assert healthy.count(False) == 1  # one decode node tried, the other never
+    finally:
+        side.close()
+
+
+def test_failed_decode_leg_aborts_the_prefill_blocks():
+    aborted = []
+    side = SideChannelServer("127.0.0.1", 0, lambda op, m: aborted.append((op, m)) or {}).start()
+    p = fake_server("prefill", kv_params=kv_params(side.port))
+    d = fake_server("decode", fail_status=500)
+    try:
+        with serve(p) as up, serve(d) as ud, router(prefill=[up], decode=[ud]) as url:
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+            assert r.status_code == 500 and "decode refused" in r.text
+            assert [(op, m["request_ids"]) for op, m in aborted] == [("ABORT", ["p-req-1"])]
+            assert metric(url, "fastdeploy:router_prefill_aborts_total", result="sent") == 1
+    finally:
+        side.close()
+
+
+def test_prefill_answer_without_kv_transfer_params_is_a_502_naming_the_role():
+    p, d = fake_server("mixed-not-prefill"), fake_server("decode")
+    with serve(p) as up, serve(d) as ud, router(prefill=[up], decode=[ud]) as url:
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 502 and "--splitwise-role prefill" in r.json()["error"]["message"]
+        assert d.state.seen == []
+
+
+def test_prefill_error_is_passed_to_the_client():
+    p, d = fake_server("prefill", fail_status=400), fake_server("decode")
+    with serve(p) as up, serve(d) as ud, router(prefill=[up], decode=[ud]) as url:
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 400 and "prefill refused" in r.json()["error"]["message"]
+        assert d.state.seen == []
