@@ -1,0 +1,255 @@
+"""The ``tcp`` KV transport: the stdlib fallback where NIXL is missing (CPU CI, minimal hosts).
+
+The prefill node serves reads of its registered KV caches; the decode node pulls the blocks it
+lacks and scatters them into its own blocks. On the wire, after a one-line JSON request
+``{"block_ids": [...]}`` and a one-line JSON answer ``{"ok": true, "num_layers": L,
+"block_bytes": B}``, come ``L`` frames, one per layer in order, each the raw bytes of
+``kv_caches[layer][block_ids]`` (``len(block_ids) * B`` bytes). On CUDA the blocks go through host
+memory on both sides. Where both engines use the same layout (the decode node checks the layout
+fingerprint first), ``B`` is equal on both sides; a mismatch fails the pull.
+
+The engine never sees this class's internals: a pull is a :class:`Transfer` it polls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Longest request line accepted by the server (bytes).
+MAX_LINE_BYTES = 1 << 20
+
+
+def merge_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive block ids as ``(first, count)``, in order: one transfer descriptor per
+    run instead of one per block (the descriptor count is what makes block transfers slow).
+
+    >>> merge_runs([3, 4, 5, 9, 10, 2])
+    [(3, 3), (9, 2), (2, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def block_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes of one block of one layer (``kv_cache`` is ``[num_blocks, ...]``)."""
+    return kv_cache[0].numel() * kv_cache.element_size()
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
+    """The bytes of ``kv_cache[block_ids]`` (through host memory on CUDA)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    blocks = kv_cache.index_select(0, index).contiguous().cpu()
+    return blocks.view(torch.uint8).numpy().tobytes()
+
+
+def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
+    got = 0
+    while got < len(buffer):
+        n = sock.recv_into(buffer[got:])
+        if n == 0:
+            raise ConnectionError(f"the peer closed the connection after {got} of {len(buffer)} B")
+        got += n
+
+
+@dataclass
+class Transfer:
+    """One pull in flight (the engine polls it from its own thread).
+
+    Attributes:
+        request_id: the decode-side request it fills.
+        num_bytes: bytes received so far.
+        seconds: wall time of the pull once done.
+        error: why it failed, or None.
+    """
+
+    request_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancelled: bool = field(default=False, repr=False)
+    _sock: socket.socket | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        """The pull ended (check :attr:`error`). Until then it may still write blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until done (or ``timeout_s``); returns :meth:`done`."""
+        return self._done.wait(timeout_s)
+
+    def cancel(self) -> None:
+        """Stop the pull; it ends with an error soon after. The decode node frees the blocks
+        only once :meth:`done` is true, so no late write can land in a reused block."""
+        self._cancelled = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class TcpKVTransport:
+    """Serves reads of this engine's KV caches and pulls a peer's blocks into them.
+
+    Args:
+        host: address the server binds and advertises (``127.0.0.1`` on one host).
+        port: TCP port of the block server (0: a free one).
+    """
+
+    name = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self._requested_port = port
+        self.kv_caches: list[torch.Tensor] = []
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------ prefill side
+    def register(self, kv_caches: list[torch.Tensor]) -> None:
+        """Register the KV caches (one tensor per layer, ``[num_blocks, ...]``) once, and start
+        serving reads of them.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        self.kv_caches = kv_caches
+        transport = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                transport._serve(self.rfile, self.connection)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((self.host, self._requested_port), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(
+            target=self._server.serve_forever, name="kv-tcp-transport", daemon=True
+        ).start()
+
+    def local_metadata(self) -> dict:
+        """What a peer needs to pull from here (goes into ``kv_transfer_params``)."""
+        return {"transport": self.name, "host": self.host, "port": self.port}
+
+    def _serve(self, rfile, conn: socket.socket) -> None:
+        try:
+            request = json.loads(rfile.readline(MAX_LINE_BYTES))
+            ids = request["block_ids"]
+            num_blocks = self.kv_caches[0].shape[0]
+            if not all(isinstance(b, int) and 0 < b < num_blocks for b in ids):
+                raise ValueError(f"block_ids outside 1..{num_blocks - 1}: {ids[:16]}")
+        except (ValueError, KeyError, TypeError) as e:
+            conn.sendall((json.dumps({"ok": False, "error": str(e)}) + "\n").encode())
+            return
+        header = {"ok": True, "num_layers": len(self.kv_caches)}
+        header["block_bytes"] = block_bytes(self.kv_caches[0])
+        conn.sendall((json.dumps(header) + "\n").encode())
+        for kv in self.kv_caches:
+            conn.sendall(_gather(kv, ids))
+
+    def close(self) -> None:
+        """Stop serving reads."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # ------------------------------------------------------------------ decode side
+    def start_pull(
+        self,
+        request_id: str,
+        remote: dict,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        timeout_s: float = 60.0,
+    ) -> Transfer:
+        """Pull ``remote_block_ids`` of the peer described by ``remote`` (its
+        :meth:`local_metadata`) into ``local_block_ids`` of the registered caches, on a thread.
+
+        Raises:
+            ValueError: the two id lists differ in length, or nothing is registered.
+        """
+        if len(remote_block_ids) != len(local_block_ids):
+            raise ValueError(
+                f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local blocks"
+            )
+        if not self.kv_caches:
+            raise ValueError("register the KV caches before pulling")
+        transfer = Transfer(request_id)
+        thread = threading.Thread(
+            target=self._pull,
+            args=(transfer, remote, list(remote_block_ids), list(local_block_ids), timeout_s),
+            name=f"kv-pull-{request_id}",
+            daemon=True,
+        )
+        thread.start()
+        return transfer
+
+    def _pull(self, transfer, remote, remote_ids, local_ids, timeout_s) -> None:
+        start = time.monotonic()
+        try:
+            with socket.create_connection((remote["host"], remote["port"]), timeout_s) as sock:
+                transfer._sock = sock
+                if transfer._cancelled:
+                    raise ConnectionError("cancelled")
+                sock.sendall((json.dumps({"block_ids": remote_ids}) + "\n").encode())
+                header = json.loads(_read_line(sock))
+                if not header.get("ok"):
+                    raise ConnectionError(f"the peer refused: {header.get('error')}")
+                self._receive(sock, header, local_ids, transfer)
+        except (OSError, ValueError, KeyError) as e:
+            transfer.error = "cancelled" if transfer._cancelled else f"{type(e).__name__}: {e}"
+        finally:
+            transfer._sock = None
+            transfer.seconds = time.monotonic() - start
+            transfer._done.set()
+
+    def _receive(self, sock, header: dict, local_ids: list[int], transfer: Transfer) -> None:
+        local_bytes = block_bytes(self.kv_caches[0])
+        if header["num_layers"] != len(self.kv_caches) or header["block_bytes"] != local_bytes:
+            raise ValueError(
+                f"layout mismatch: peer has {header['num_layers']} layers of "
+                f"{header['block_bytes']} B blocks, here {len(self.kv_caches)} of {local_bytes} B"
+            )
+        n = len(local_ids)
+        index = torch.tensor(local_ids, dtype=torch.long)
+        for kv in self.kv_caches:
+            staging = torch.empty((n, *kv.shape[1:]), dtype=kv.dtype)
+            _recv_exact(sock, memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+            transfer.num_bytes += n * local_bytes
+            kv.index_copy_(0, index.to(kv.device), staging.to(kv.device))
+        if kv.is_cuda:
+            torch.cuda.current_stream(kv.device).synchronize()
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    """One ``\\n``-terminated line, read byte by byte so no frame byte is consumed."""
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("the peer closed the connection before answering")
+        out += chunk
+        if len(out) > MAX_LINE_BYTES:
+            raise ValueError("answer line too long")
+    return bytes(out)
