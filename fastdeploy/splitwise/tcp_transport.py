@@ -19,35 +19,15 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
+
+from fastdeploy.splitwise.transport import Transfer, block_bytes
 
 logger = logging.getLogger(__name__)
 
 #: Longest request line accepted by the server (bytes).
 MAX_LINE_BYTES = 1 << 20
-
-
-def merge_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive block ids as ``(first, count)``, in order: one transfer descriptor per
-    run instead of one per block (the descriptor count is what makes block transfers slow).
-
-    >>> merge_runs([3, 4, 5, 9, 10, 2])
-    [(3, 3), (9, 2), (2, 1)]
-    """
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
-
-
-def block_bytes(kv_cache: torch.Tensor) -> int:
-    """Bytes of one block of one layer (``kv_cache`` is ``[num_blocks, ...]``)."""
-    return kv_cache[0].numel() * kv_cache.element_size()
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
@@ -64,45 +44,6 @@ def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
         if n == 0:
             raise ConnectionError(f"the peer closed the connection after {got} of {len(buffer)} B")
         got += n
-
-
-@dataclass
-class Transfer:
-    """One pull in flight (the engine polls it from its own thread).
-
-    Attributes:
-        request_id: the decode-side request it fills.
-        num_bytes: bytes received so far.
-        seconds: wall time of the pull once done.
-        error: why it failed, or None.
-    """
-
-    request_id: str
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cancelled: bool = field(default=False, repr=False)
-    _sock: socket.socket | None = field(default=None, repr=False)
-
-    def done(self) -> bool:
-        """The pull ended (check :attr:`error`). Until then it may still write blocks."""
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until done (or ``timeout_s``); returns :meth:`done`."""
-        return self._done.wait(timeout_s)
-
-    def cancel(self) -> None:
-        """Stop the pull; it ends with an error soon after. The decode node frees the blocks
-        only once :meth:`done` is true, so no late write can land in a reused block."""
-        self._cancelled = True
-        sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 class TcpKVTransport:
@@ -207,9 +148,10 @@ class TcpKVTransport:
 
     def _pull(self, transfer, remote, remote_ids, local_ids, timeout_s) -> None:
         start = time.monotonic()
+        error = None
         try:
             with socket.create_connection((remote["host"], remote["port"]), timeout_s) as sock:
-                transfer._sock = sock
+                transfer._cancel_hook = lambda: _shutdown(sock)
                 if transfer._cancelled:
                     raise ConnectionError("cancelled")
                 sock.sendall((json.dumps({"block_ids": remote_ids}) + "\n").encode())
@@ -218,11 +160,8 @@ class TcpKVTransport:
                     raise ConnectionError(f"the peer refused: {header.get('error')}")
                 self._receive(sock, header, local_ids, transfer)
         except (OSError, ValueError, KeyError) as e:
-            transfer.error = "cancelled" if transfer._cancelled else f"{type(e).__name__}: {e}"
-        finally:
-            transfer._sock = None
-            transfer.seconds = time.monotonic() - start
-            transfer._done.set()
+            error = f"{type(e).__name__}: {e}"
+        transfer.finish(error, time.monotonic() - start)
 
     def _receive(self, sock, header: dict, local_ids: list[int], transfer: Transfer) -> None:
         local_bytes = block_bytes(self.kv_caches[0])
@@ -240,6 +179,13 @@ class TcpKVTransport:
             kv.index_copy_(0, index.to(kv.device), staging.to(kv.device))
         if kv.is_cuda:
             torch.cuda.current_stream(kv.device).synchronize()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _read_line(sock: socket.socket) -> bytes:

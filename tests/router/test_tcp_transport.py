@@ -10,7 +10,8 @@ import pytest
 import torch
 from router_utils import free_port
 
-from fastdeploy.splitwise.tcp_transport import TcpKVTransport, merge_runs
+from fastdeploy.splitwise.tcp_transport import TcpKVTransport
+from fastdeploy.splitwise.transport import merge_runs
 
 SHAPE = (12, 2, 4, 2, 8)  # [num_blocks, K/V, block_size, kv_heads, head_dim]
 

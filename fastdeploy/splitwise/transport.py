@@ -1,0 +1,136 @@
+"""What every KV transport shares: the :class:`Transfer` handle the engine polls, block runs, and
+the choice of a transport (``--cache-transfer-protocol``).
+
+A transport has one interface (``docs/pd-disaggregation.md``, shared docs): ``register(kv_caches)``
+once, ``local_metadata()`` for ``kv_transfer_params``, ``start_pull(...) -> Transfer`` on the decode
+node, and ``close()``. The engine never sees a transport library's types.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("auto", "nixl", "tcp")
+
+
+def merge_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive block ids as ``(first, count)``, in order: one transfer descriptor per
+    run instead of one per block (the descriptor count is what makes block transfers slow).
+
+    >>> merge_runs([3, 4, 5, 9, 10, 2])
+    [(3, 3), (9, 2), (2, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def block_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes of one block of one layer (``kv_cache`` is ``[num_blocks, ...]``)."""
+    return kv_cache[0].numel() * kv_cache.element_size()
+
+
+def merge_pairs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs where both the remote and the local block ids are consecutive, as
+    ``(remote_first, local_first, count)``: one descriptor pair per run.
+
+    >>> merge_pairs([3, 4, 5, 9], [1, 2, 7, 8])
+    [(3, 1, 2), (5, 7, 1), (9, 8, 1)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    for r, loc in zip(remote_ids, local_ids):
+        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((r, loc, 1))
+    return runs
+
+
+@dataclass
+class Transfer:
+    """One pull in flight (the engine polls it from its own thread).
+
+    Attributes:
+        request_id: the decode-side request it fills.
+        num_bytes: bytes received so far.
+        seconds: wall time of the pull once done.
+        error: why it failed, or None.
+    """
+
+    request_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancelled: bool = field(default=False, repr=False)
+    #: What the transport does to stop a pull in flight (close a socket, release a handle).
+    _cancel_hook: Callable[[], None] | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        """The pull ended (check :attr:`error`). Until then it may still write blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until done (or ``timeout_s``); returns :meth:`done`."""
+        return self._done.wait(timeout_s)
+
+    def cancel(self) -> None:
+        """Stop the pull; it ends with an error soon after. The decode node frees the blocks
+        only once :meth:`done` is true, so no late write can land in a reused block."""
+        self._cancelled = True
+        hook = self._cancel_hook
+        if hook is not None:
+            hook()
+
+    def finish(self, error: str | None, seconds: float) -> None:
+        """Called by the transport once, when the pull has ended and can write no more."""
+        self.error = "cancelled" if self._cancelled and error else error
+        self.seconds = seconds
+        self._cancel_hook = None
+        self._done.set()
+
+
+def make_transport(protocol: str, host: str = "127.0.0.1", name: str = "fastdeploy"):
+    """The KV transport for ``--cache-transfer-protocol``: ``nixl``, ``tcp``, or ``auto`` (NIXL
+    when ``import nixl`` works, else tcp; the choice is logged).
+
+    Args:
+        protocol: one of :data:`PROTOCOLS`.
+        host: the address this node's transport advertises.
+        name: a name unique to this engine (the NIXL agent name).
+
+    Raises:
+        ValueError: an unknown protocol, or ``nixl`` asked for explicitly and not installed.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(
+            f"cache_transfer_protocol={protocol!r} is invalid; allowed: {', '.join(PROTOCOLS)}"
+        )
+    has_nixl = importlib.util.find_spec("nixl") is not None
+    if protocol == "nixl" and not has_nixl:
+        raise ValueError(
+            "cache_transfer_protocol='nixl' but nixl is not installed (pip install nixl, or use "
+            "'tcp' or 'auto')"
+        )
+    if protocol == "nixl" or (protocol == "auto" and has_nixl):
+        from fastdeploy.splitwise.nixl_transport import NixlKVTransport
+
+        chosen = NixlKVTransport(name, host)
+    else:
+        from fastdeploy.splitwise.tcp_transport import TcpKVTransport
+
+        chosen = TcpKVTransport(host)
+    logger.info("KV transport: %s (cache_transfer_protocol=%s)", chosen.name, protocol)
+    return chosen
