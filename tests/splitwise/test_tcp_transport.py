@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from router_utils import free_port
+from splitwise_utils import free_port
 
 from fastdeploy.splitwise.tcp_transport import TcpKVTransport
 from fastdeploy.splitwise.transport import merge_runs

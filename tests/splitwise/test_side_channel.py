@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from router_utils import free_port
+from splitwise_utils import free_port
 
 from fastdeploy.splitwise.side_channel import SideChannelError, SideChannelServer, send_control
 
