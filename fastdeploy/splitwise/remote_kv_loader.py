@@ -1,0 +1,171 @@
+"""The decode node's transfer thread: CLAIM, pull, DONE, for requests in ``WAITING_FOR_REMOTE_KV``.
+
+The engine thread submits a :class:`PullJob` once the request holds its local blocks, and polls
+:meth:`RemoteKVLoader.poll` every step for finished jobs; it never waits on the network. A job:
+
+1. CLAIMs the prefill node's blocks over the side channel (a GONE answer fails the job: the blocks
+   may already be freed and reused, so they must not be read);
+2. pulls only the blocks this node's prefix cache lacks (``skip_blocks`` at the front) through the
+   transport;
+3. sends DONE (the prefill node frees its blocks), or ABORT when the pull failed.
+
+A cancelled job (the client went away) reports only once its pull can write no more, so the engine
+frees the local blocks after any late write. Byte and time counts feed the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from fastdeploy.splitwise.protocol import RemotePrefill
+from fastdeploy.splitwise.side_channel import SideChannelError, send_control
+from fastdeploy.splitwise.transport import Transfer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullJob:
+    """One decode request's KV to fetch.
+
+    Attributes:
+        request_id: the decode node's request id.
+        remote: what the prefill node answered.
+        local_block_ids: this node's block table for the prompt (same length as
+            ``remote.remote_block_ids``).
+        skip_blocks: leading blocks this node already has (its own prefix cache hit).
+        timeout_s: limit of the whole job (claim, pull, done).
+    """
+
+    request_id: str
+    remote: RemotePrefill
+    local_block_ids: list[int]
+    skip_blocks: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """A finished job: ``error`` is None on success, else why it failed (``claim``, ``transfer``,
+    ``cancelled`` first, then details)."""
+
+    request_id: str
+    error: str | None
+    num_bytes: int
+    seconds: float
+
+
+class RemoteKVLoader:
+    """Runs pull jobs on background threads.
+
+    Args:
+        transport: a registered KV transport (``tcp`` or ``nixl``).
+        control_timeout_s: limit of one side channel message.
+    """
+
+    def __init__(self, transport, control_timeout_s: float = 5.0) -> None:
+        self.transport = transport
+        self.control_timeout_s = control_timeout_s
+        self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
+        self._transfers: dict[str, Transfer] = {}
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    def submit(self, job: PullJob) -> None:
+        """Start ``job`` (engine thread).
+
+        Raises:
+            ValueError: the local and remote block tables differ in length, or ``skip_blocks``
+                is outside them.
+        """
+        n = len(job.remote.remote_block_ids)
+        if len(job.local_block_ids) != n or not 0 <= job.skip_blocks <= n:
+            raise ValueError(
+                f"request {job.request_id!r}: {len(job.local_block_ids)} local blocks and "
+                f"skip_blocks={job.skip_blocks} for {n} remote blocks"
+            )
+        with self._lock:
+            self.in_flight += 1
+        threading.Thread(
+            target=self._run, args=(job,), name=f"pd-pull-{job.request_id}", daemon=True
+        ).start()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a job; its result (``cancelled``) arrives once nothing can write any more."""
+        with self._lock:
+            self._cancelled.add(request_id)
+            transfer = self._transfers.get(request_id)
+        if transfer is not None:
+            transfer.cancel()
+
+    def poll(self) -> list[PullResult]:
+        """Finished jobs since the last call (engine thread; never blocks)."""
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
+
+    def _control(self, op: str, job: PullJob) -> dict:
+        r = job.remote
+        return send_control(
+            r.remote_host, r.remote_port, op, [r.remote_request_id], self.control_timeout_s
+        )
+
+    def _run(self, job: PullJob) -> None:
+        start = time.monotonic()
+        error, num_bytes = None, 0
+        try:
+            error, num_bytes = self._claim_and_pull(job)
+        finally:
+            with self._lock:
+                self._transfers.pop(job.request_id, None)
+                self._cancelled.discard(job.request_id)
+                self.in_flight -= 1
+            self._results.put(
+                PullResult(job.request_id, error, num_bytes, time.monotonic() - start)
+            )
+
+    def _claim_and_pull(self, job: PullJob) -> tuple[str | None, int]:
+        if job.skip_blocks == len(job.local_block_ids):  # all cached here: nothing to read
+            try:
+                self._control("DONE", job)
+            except SideChannelError as e:
+                logger.warning("request %s: %s", job.request_id, e)
+            return None, 0
+        try:
+            self._control("CLAIM", job)
+        except SideChannelError as e:
+            return f"claim: {e}", 0
+        remote = job.remote
+        skip = job.skip_blocks
+        with self._lock:
+            if job.request_id in self._cancelled:
+                transfer = None
+            else:
+                transfer = self.transport.start_pull(
+                    job.request_id,
+                    remote.transport,
+                    remote.remote_block_ids[skip:],
+                    job.local_block_ids[skip:],
+                    job.timeout_s,
+                )
+                self._transfers[job.request_id] = transfer
+        if transfer is None:
+            error = "cancelled"
+        else:
+            transfer.wait()
+            error = None if transfer.error is None else f"transfer: {transfer.error}"
+            if transfer.error == "cancelled":
+                error = "cancelled"
+        try:
+            self._control("ABORT" if error else "DONE", job)
+        except SideChannelError as e:  # the prefill node frees them at lease expiry anyway
+            logger.warning("request %s: %s", job.request_id, e)
+        return error, (transfer.num_bytes if transfer is not None else 0)
