@@ -1,0 +1,253 @@
+"""Serving benchmark: drive a running OpenAI-compatible server and report throughput and latency.
+
+One command (any server with ``/v1/completions``: ours, vLLM, SGLang, a router)::
+
+    python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 \\
+        --num-prompts 256 --input-len 256 --output-len 128
+    python benchmarks/benchmark_serving.py --request-rate 8 --num-prompts 200 --json out.json
+
+Prompts are random token ids (a fixed ``--seed``) sent as token-id prompts, so no tokenizer is
+needed and every server sees the same input lengths; ``--range-ratio r`` draws each length
+uniformly from ``[len * (1 - r), len * (1 + r)]``. Every request streams with ``ignore_eos`` and
+``max_tokens`` set, so the output length is what was asked. Either ``--concurrency N`` clients
+run back to back, or requests arrive as a Poisson process of ``--request-rate`` per second.
+
+Metrics follow the field's definitions (as vLLM's and SGLang's serving benchmarks report them):
+
+* TTFT: request sent -> first streamed token;
+* TPOT: ``(e2e - TTFT) / (output tokens - 1)`` per request;
+* ITL: the gaps between consecutive streamed chunks, over all requests;
+* throughput: requests, output tokens and total tokens per second of the whole run.
+
+Percentiles are p50, p95 and p99. Output tokens come from the final usage chunk
+(``stream_options.include_usage``) where the server sends it, else from the chunks' token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    """One request: lengths in tokens, times in seconds; ``error`` when it failed."""
+
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def make_prompts(
+    n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    """``n`` (token ids, max tokens) pairs, random with ``seed``; ids in ``[10, vocab)``."""
+    rng = random.Random(seed)
+
+    def length(base: int) -> int:
+        lo, hi = int(base * (1 - range_ratio)), int(base * (1 + range_ratio))
+        return max(1, rng.randint(lo, hi))
+
+    return [
+        ([rng.randrange(10, vocab) for _ in range(length(input_len))], length(output_len))
+        for _ in range(n)
+    ]
+
+
+async def run_one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> RequestResult:
+    """Stream one completion and time it."""
+    result = RequestResult(len(prompt))
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    counted = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                now = time.perf_counter()
+                if counted == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                counted += max(1, len(choices[0].get("token_ids") or []))
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_len = result.output_len or counted
+    return result
+
+
+async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], float, str]:
+    """Send every prompt (closed loop of ``concurrency`` clients, or open loop at
+    ``request_rate``); returns the results, the run's seconds and the model name."""
+    timeout = httpx.Timeout(args.timeout_s, connect=10)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            model = (await client.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
+        prompts = make_prompts(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.vocab_size,
+            args.seed,
+        )
+        url = args.base_url + "/v1/completions"
+        for prompt, max_tokens in prompts[: args.warmup]:
+            await run_one(client, url, model, prompt, max_tokens)
+        rng = random.Random(args.seed + 1)
+        start = time.perf_counter()
+        if args.request_rate:
+
+            async def delayed(i: int, delay: float) -> RequestResult:
+                await asyncio.sleep(delay)
+                return await run_one(client, url, model, *prompts[i])
+
+            arrivals, t = [], 0.0
+            for _ in prompts:
+                arrivals.append(t)
+                t += rng.expovariate(args.request_rate)
+            results = await asyncio.gather(*(delayed(i, a) for i, a in enumerate(arrivals)))
+        else:
+            queue = list(range(len(prompts)))
+            results: list[RequestResult | None] = [None] * len(prompts)
+
+            async def client_loop() -> None:
+                while queue:
+                    i = queue.pop(0)
+                    results[i] = await run_one(client, url, model, *prompts[i])
+
+            await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+        return list(results), time.perf_counter() - start, model
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """Mean, p50, p95 and p99 of ``values`` in milliseconds (zeros when empty)."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * 1000
+
+    return {"mean": statistics.fmean(values) * 1000, "p50": pct(50), "p95": pct(95), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], seconds: float) -> dict:
+    """The run's throughput and latency summary (latencies in ms)."""
+    ok = [r for r in results if r.error is None]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "seconds": seconds,
+        "request_throughput": len(ok) / seconds,
+        "output_throughput": out_tokens / seconds,
+        "total_token_throughput": (in_tokens + out_tokens) / seconds,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles([gap for r in ok for gap in r.itl]),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+    }
+
+
+def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
+    load = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {args.concurrency}"
+    print(
+        f"\nServing benchmark | {args.base_url} | model {model} | {args.num_prompts} prompts, "
+        f"input {args.input_len}, output {args.output_len}, range ratio {args.range_ratio} | {load}"
+    )
+    done, failed, seconds = summary["completed"], summary["failed"], summary["seconds"]
+    print(f"completed {done}, failed {failed} in {seconds:.2f} s")
+    for e in summary["errors"]:
+        print(f"  error: {e}")
+    print(
+        f"throughput: {summary['request_throughput']:.2f} req/s, "
+        f"{summary['output_throughput']:.1f} output tok/s, "
+        f"{summary['total_token_throughput']:.1f} total tok/s"
+    )
+    print(f"{'metric (ms)':<12} {'mean':>9} {'p50':>9} {'p95':>9} {'p99':>9}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        p = summary[f"{name}_ms"]
+        print(
+            f"{name.upper():<12} {p['mean']:9.2f} {p['p50']:9.2f} {p['p95']:9.2f} {p['p99']:9.2f}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--vocab-size", type=int, default=32000, help="prompt ids < this")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=16)
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per s")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent before timing")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="also write the summary to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1 or args.concurrency < 1 or not 0 <= args.range_ratio < 1:
+        raise SystemExit("--num-prompts and --concurrency must be >= 1, --range-ratio in [0, 1)")
+    results, seconds, model = asyncio.run(run_benchmark(args))
+    summary = summarize(results, seconds)
+    print_table(summary, args, model)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "summary": summary, "results": [asdict(r) for r in results]}
+            )
+        )
+    return summary
+
+
+if __name__ == "__main__":
+    main()
