@@ -22,6 +22,7 @@ RANKS = {
     "platforms": 0,
     "model_executor": 1,
     "cache_manager": 1,
+    "distributed": 1,
     "scheduler": 2,
     "worker": 2,
     "splitwise": 2,

@@ -1,0 +1,66 @@
+"""Tensor-parallel plumbing on CPU over gloo: collectives and the step broadcast between real
+rank processes, a dead rank named within seconds, every process ended afterwards."""
+
+from __future__ import annotations
+
+import ast
+import socket
+import time
+
+import pytest
+import torch.multiprocessing as mp
+from tp_targets import collective_rank, die_rank, stubborn_rank
+
+from fastdeploy.distributed.launcher import RankDiedError, RankProcesses
+from fastdeploy.distributed.parallel_state import parse_dist_init_addr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=collective_rank, args=(r, 2, addr, str(tmp_path))) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for rank in range(2):
+        summed, gathered, step = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
+        assert summed == [3.0, 3.0, 3.0]  # 1 + 2
+        assert gathered == [0.0, 1.0]  # rank order
+        assert step == {"step": 7, "from": 0}  # rank 0's object on every rank
+
+
+def test_a_dead_rank_is_named_within_seconds_and_stop_ends_all():
+    ranks = RankProcesses(die_rank, [1], args=(3,)).start()
+    stubborn = RankProcesses(stubborn_rank, [2]).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankDiedError, match="tensor-parallel rank 1 exited with code 3"):
+            ranks.check(timeout_s=10)
+        assert time.monotonic() - start < 10
+        stubborn.check(timeout_s=0.2)  # alive: no error
+    finally:
+        ranks.stop()
+        stubborn.stop(grace_s=1)
+    assert not any(p.is_alive() for p in stubborn.processes.values())
+    assert stubborn.processes[2].exitcode == -9  # SIGTERM ignored, SIGKILL after the grace
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", "host:99999", ":80", 5])
+def test_bad_dist_init_addr(bad):
+    with pytest.raises(ValueError, match="dist_init_addr=.* is invalid; allowed: host:port"):
+        parse_dist_init_addr(bad)
