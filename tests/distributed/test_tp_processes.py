@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-from tp_targets import collective_rank, die_rank, stubborn_rank
+from tp_targets import collective_rank, die_rank, layers_rank, stubborn_rank
 
 from fastdeploy.distributed.launcher import RankDiedError, RankProcesses
 from fastdeploy.distributed.parallel_state import parse_dist_init_addr
@@ -64,3 +64,28 @@ def test_a_dead_rank_is_named_within_seconds_and_stop_ends_all():
 def test_bad_dist_init_addr(bad):
     with pytest.raises(ValueError, match="dist_init_addr=.* is invalid; allowed: host:port"):
         parse_dist_init_addr(bad)
+
+
+def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=layers_rank, args=(r, 2, addr, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for rank in range(2):
+        diffs = ast.literal_eval((tmp_path / f"layers{rank}.txt").read_text())
+        for name in ("mlp", "qkv", "embedding", "lm_head"):
+            assert diffs[name] < 1e-4, (rank, name, diffs[name])
+        assert diffs["lm_head_shape"] == [5, 37]  # padding dropped after the gather
+        assert diffs["error"] == (
+            "num_key_value_heads=3 does not divide by tensor_parallel_size=2; allowed: a "
+            "tensor_parallel_size that divides 3"
+        )

@@ -1,0 +1,230 @@
+"""Tensor-parallel linears and embeddings (Megatron-LM's column/row split, as vLLM lays it out).
+
+Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism": a column-parallel linear splits the output rows across ranks (no communication), the
+following row-parallel linear splits its input columns and sums the partial products with one
+all-reduce. Attention splits heads (q heads and KV heads each divide by the rank count, or the
+layer refuses with the numbers); the MLP splits the intermediate size; the vocabulary is split
+into contiguous ranges for the embedding (masked lookup + all-reduce) and the LM head (local logits,
+then an all-gather).
+
+Every layer loads the *full* checkpoint tensor and keeps its own rank's slice, so the loaders shard
+safetensors and GGUF weights at load time without knowing the split. ``export_weight`` returns the
+local slice. With ``tp=None`` (or one rank) each layer is its unsharded base class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastdeploy.distributed.parallel_state import TPGroup, all_gather_last_dim, all_reduce
+from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
+from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+
+
+def tp_rank_world(tp: TPGroup | None) -> tuple[int, int]:
+    """``(rank, world_size)``; ``(0, 1)`` without a group."""
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)
+
+
+def divide(total: int, world: int, what: str) -> int:
+    """``total // world``.
+
+    Raises:
+        ValueError: ``total`` does not divide by ``world`` (names both and ``what``).
+    """
+    if total % world:
+        raise ValueError(
+            f"{what}={total} does not divide by tensor_parallel_size={world}; allowed: a "
+            f"tensor_parallel_size that divides {total}"
+        )
+    return total // world
+
+
+def rank_slice(loaded: torch.Tensor, dim: int, rank: int, world: int, name: str) -> torch.Tensor:
+    """This rank's contiguous ``1/world`` of ``loaded`` along ``dim``.
+
+    Raises:
+        ValueError: that dimension does not divide by ``world``.
+    """
+    size = divide(loaded.shape[dim], world, f"{name} dim {dim}")
+    return loaded.narrow(dim, rank * size, size)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Merged projections (gate/up) with each shard's output rows split across ranks.
+
+    Args:
+        input_size: input features (full).
+        output_sizes: full output rows of each shard.
+        shard_ids, bias, dtype: as :class:`MergedLinear`.
+        tp: the tensor-parallel group.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        shard_ids: Sequence[Hashable],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+    ):
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        local = [
+            divide(s, self.tp_world, f"shard {i} rows") for i, s in zip(shard_ids, output_sizes)
+        ]
+        super().__init__(input_size, local, shard_ids, bias=bias, dtype=dtype)
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of one full checkpoint shard (``shard_id`` None is refused
+        under TP: a merged checkpoint tensor interleaves the shards)."""
+        if shard_id is None and self.tp_world > 1:
+            raise KeyError(f"{type(self).__name__} under TP loads one shard at a time")
+        if shard_id is not None:
+            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
+        super().load_weight(param_name, loaded, shard_id)
+
+
+class QKVParallelLinear(QKVLinear):
+    """Merged q/k/v with the heads split across ranks: each rank holds ``num_heads / N`` query
+    heads and ``num_kv_heads / N`` KV heads.
+
+    Raises:
+        ValueError: ``num_heads`` or ``num_kv_heads`` does not divide by the rank count (no
+            silent replication of KV heads).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+    ):
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        heads = divide(num_heads, self.tp_world, "num_attention_heads")
+        kv_heads = divide(num_kv_heads, self.tp_world, "num_key_value_heads")
+        super().__init__(hidden_size, head_dim, heads, kv_heads, bias=bias, dtype=dtype)
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        if shard_id is None and self.tp_world > 1:
+            raise KeyError("QKVParallelLinear under TP loads q, k and v one at a time")
+        if shard_id is not None:
+            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
+        super().load_weight(param_name, loaded, shard_id)
+
+
+class RowParallelLinear(Linear):
+    """``y = all_reduce(x_local @ W_local.T) + b``: the input columns split across ranks, the
+    partial products summed; the bias is added once, after the sum.
+
+    Args:
+        input_size: full input features (each rank gets ``input_size / N``).
+        output_size, bias, dtype: as :class:`Linear`.
+        tp: the tensor-parallel group.
+        reduce: False leaves the all-reduce to the caller (a fused all-reduce + norm).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+        reduce: bool = True,
+    ):
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        super().__init__(divide(input_size, self.tp_world, "row-parallel input size"), output_size,
+                         bias=bias, dtype=dtype)  # fmt: skip
+        self.tp = tp
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = all_reduce(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        if param_name == "weight":
+            loaded = rank_slice(loaded, 1, self.tp_rank, self.tp_world, param_name)
+        super().load_weight(param_name, loaded, shard_id)
+
+
+class VocabParallelEmbedding(VocabEmbedding):
+    """The vocabulary in ``N`` contiguous ranges (padded up to a multiple of ``N``); ids outside
+    this rank's range look up zeros, and an all-reduce sums the ranks."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+    ):
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        self.full_vocab = num_embeddings
+        per_rank = -(-num_embeddings // self.tp_world)
+        super().__init__(per_rank, embedding_dim, dtype=dtype)
+        self.vocab_start = self.tp_rank * per_rank
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_world == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp)
+
+    def load_full(self, loaded: torch.Tensor) -> None:
+        """Load this rank's rows of the full ``[vocab, hidden]`` embedding (pad rows zero)."""
+        rows = loaded[self.vocab_start : self.vocab_start + self.num_embeddings]
+        with torch.no_grad():
+            self.weight.zero_()
+        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, "embed_tokens.weight")
+
+
+class ParallelLMHead(LMHead):
+    """Each rank computes the logits of its vocabulary range; :meth:`forward` all-gathers them
+    and drops the padding, so every rank gets ``[N, vocab]``."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+    ):
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        self.full_vocab = vocab_size
+        per_rank = -(-vocab_size // self.tp_world)
+        super().__init__(per_rank, hidden_size, dtype=dtype)
+        self.vocab_start = self.tp_rank * per_rank
+        self.tp = tp
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden_states, self.weight)
+        return all_gather_last_dim(local, self.tp)[..., : self.full_vocab]
+
+    def load_full(self, loaded: torch.Tensor) -> None:
+        """Load this rank's rows of the full ``[vocab, hidden]`` head (pad rows zero)."""
+        rows = loaded[self.vocab_start : self.vocab_start + self.vocab_size]
+        with torch.no_grad():
+            self.weight.zero_()
+        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, "lm_head.weight")
