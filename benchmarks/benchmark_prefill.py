@@ -4,9 +4,13 @@ One command (CUDA host)::
 
     python benchmarks/benchmark_prefill.py                      # SmolLM2-135M shape, dummy weights
     python benchmarks/benchmark_prefill.py --model llama3-8b --tokens 16 32 64 128
+    python benchmarks/benchmark_prefill.py --model qwen3-30b-a3b   # mixture of experts
 
 ``--model`` is a preset name (see ``fastdeploy/model_executor/model_loader/presets.py``) or a
 directory with a Hugging Face ``config.json``; weights are random (``load_format=dummy``), seeded.
+Token ids are random too (seeded): with one repeated id every token of a mixture-of-experts model
+would take the same experts, and a step would read a fraction of the expert weights it reads on
+real text.
 For every token count the forward (input copy, attention planning, model; no sampling) is timed
 with CUDA events as the mean of ``--iters`` runs after ``--warmup`` runs:
 
@@ -68,6 +72,7 @@ class Bench:
     """Times the three modes for one engine."""
 
     def __init__(self, engine: LLMEngine, iters: int, warmup: int) -> None:
+        self.vocab_size = engine.vocab_size
         self.engine = engine
         self.runner = engine.worker.runner
         self.graphs = self.runner.graph_runner
@@ -75,7 +80,17 @@ class Bench:
         self.block_size = engine.config.cache_config.block_size
 
     def step(self, n: int):
-        return dummy_step([n], self.block_size)
+        return self.random_ids(dummy_step([n], self.block_size))
+
+    def random_ids(self, sched):
+        """``sched`` with every request's token ids drawn at random (seeded by the request's
+        index and length, so requests of a batch differ)."""
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            g = torch.Generator().manual_seed(i * 1_000_003 + req.num_prompt_tokens)
+            ids = torch.randint(0, self.vocab_size, (req.num_prompt_tokens,), generator=g)
+            req.prompt_token_ids = ids.tolist()
+        return sched
 
     def eager(self, n: int) -> float:
         sched = self.step(n)
@@ -94,7 +109,7 @@ class Bench:
     def decode(self, batch: int, context: int, graphs: bool) -> float:
         """Milliseconds of one whole decode step (inputs, forward, logits, greedy sampling) of
         ``batch`` requests with ``context`` tokens of KV each."""
-        sched = dummy_step([1] * batch, self.block_size, history=context - 1)
+        sched = self.random_ids(dummy_step([1] * batch, self.block_size, history=context - 1))
         self.runner.graph_runner = self.graphs if graphs else None
         try:
             return time_ms(lambda: self.runner.execute_model(sched), self.iters, self.warmup)
@@ -121,6 +136,20 @@ class Bench:
         except Exception:  # attention not capturable without breaks: profiler floor
             torch.cuda.synchronize()
             return kernel_time_ms(forward), "kernels"
+
+
+def moe_summary(model) -> str | None:
+    """One line on the model's mixture-of-experts layers (None for a dense model)."""
+    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
+    if not blocks:
+        return None
+    b = blocks[0]
+    shared = "" if b.shared_experts is None else " + shared experts"
+    return (
+        f"MoE: {len(blocks)} of {len(model.layers)} layers sparse, "
+        f"{b.experts.num_experts} experts of {b.experts.intermediate_size}, "
+        f"top-{b.routing.top_k}{shared}, fused-MoE backend {b.resolved_backend()}"
+    )
 
 
 def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
@@ -207,6 +236,9 @@ def main() -> None:
         f" | graph_opt_level {args.graph_opt_level}"
         f" | mean of {args.iters} after {args.warmup} warm-up"
     )
+    moe = moe_summary(engine.worker.runner.model)
+    if moe:
+        print(moe)
     print(
         f"{'tokens':>7} {'eager ms':>9} {'piecewise':>10} {'floor ms':>9} {'eager/pw':>9} "
         f"{'pw/floor':>9}"

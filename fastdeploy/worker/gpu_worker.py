@@ -212,10 +212,16 @@ class GpuWorker:
         return activations + max_tokens * width * elem + (256 << 20)
 
     def _profile_step(self) -> SchedulerOutput:
+        """The largest step: exactly ``max(max_num_batched_tokens, largest prefill bucket)``
+        tokens over up to ``max_num_seqs`` requests. Exactly, because what the step allocates
+        grows with its token count alone (the fused MoE op's workspace, for one, is sized by the
+        tokens, never by how they are routed), so the profile counts it at the largest bucket."""
         sched_cfg = self.config.scheduler_config
-        num_reqs = min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
-        per_req = sched_cfg.max_num_batched_tokens // num_reqs
-        return dummy_step([per_req] * num_reqs, self.config.cache_config.block_size)
+        total = max([sched_cfg.max_num_batched_tokens, *self.graph_plan.prefill_capture_sizes])
+        num_reqs = min(sched_cfg.max_num_seqs, total)
+        base, extra = divmod(total, num_reqs)
+        sizes = [base + 1] * extra + [base] * (num_reqs - extra)
+        return dummy_step(sizes, self.config.cache_config.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one KV tensor per layer of ``num_blocks`` blocks (zeros)."""

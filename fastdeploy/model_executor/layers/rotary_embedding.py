@@ -1,8 +1,14 @@
-"""Rotary position embedding (RoPE; Su et al., 2021, "RoFormer"), neox / Hugging Face Llama style.
+"""Rotary position embedding (RoPE; Su et al., 2021, "RoFormer").
 
-The head is split in two halves that rotate together (``rotate_half``), not interleaved pairs.
+:class:`RotaryEmbedding` is the neox / Hugging Face Llama style: the (rotated part of the) head is
+split in two halves that rotate together (``rotate_half``). With ``rotary_dim < head_dim`` only the
+first ``rotary_dim`` features of each head rotate and the rest pass through (GLM-4's partial
+rotary, ``partial_rotary_factor``). :class:`InterleavedRotaryEmbedding` rotates adjacent pairs
+``(2i, 2i + 1)`` in float32 (the GPT-J layout ERNIE 4.5 uses, as in ``transformers``'
+``modeling_ernie4_5.apply_rotary_pos_emb``).
 cos/sin are precomputed for every position up to ``max_position`` once, in float32, then cast to
-the model dtype: the same numbers Hugging Face computes per step, so outputs match it exactly.
+the model dtype (kept in float32 by the interleaved variant): the same numbers Hugging Face
+computes per step, so outputs match it exactly.
 """
 
 from __future__ import annotations
@@ -82,11 +88,15 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys by position.
 
     Args:
-        head_dim: size of one head (rotated in full).
+        head_dim: size of one head.
         max_position: positions ``0 .. max_position - 1`` are cached; larger ones are out of range
             (an index error on CPU, a device assert on GPU).
         rope_params: from :func:`rope_parameters_from_config`.
         dtype: dtype of the cos/sin cache (the model dtype).
+        rotary_dim: features of each head that rotate (the first ones); None: all of them.
+
+    Raises:
+        ValueError: ``rotary_dim`` odd or not in ``(0, head_dim]``.
     """
 
     def __init__(
@@ -95,12 +105,19 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         rope_params: dict[str, Any],
         dtype: torch.dtype = torch.float32,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]"
+            )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.rope_type = rope_params["rope_type"]
-        inv_freq = compute_inv_freq(head_dim, rope_params)
+        inv_freq = compute_inv_freq(rotary_dim, rope_params)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = t[:, None] * inv_freq.to(t.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -116,13 +133,79 @@ class RotaryEmbedding(nn.Module):
         Returns:
             new ``(q, k)`` tensors of the same shapes and dtypes.
         """
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
         qh = q.reshape(q.shape[0], -1, self.head_dim)
         kh = k.reshape(k.shape[0], -1, self.head_dim)
-        q_out = qh * cos + rotate_half(qh) * sin
-        k_out = kh * cos + rotate_half(kh) * sin
+        if self.rotary_dim == self.head_dim:
+            q_out = qh * cos + rotate_half(qh) * sin
+            k_out = kh * cos + rotate_half(kh) * sin
+        else:
+            q_out = self._rotate_part(qh, cos, sin)
+            k_out = self._rotate_part(kh, cos, sin)
         return q_out.reshape(q.shape), k_out.reshape(k.shape)
 
+    def _rotate_part(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}, type={self.rope_type}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}, type={self.rope_type}"
+        )
+
+
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`` over the last dimension (the GPT-J
+    rotation of adjacent pairs)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+class InterleavedRotaryEmbedding(nn.Module):
+    """RoPE over adjacent pairs ``(2i, 2i + 1)`` of each head, computed in float32 and cast back
+    (ERNIE 4.5; ``transformers``' ``Ernie4_5RotaryEmbedding`` keeps cos/sin in float32 and
+    rotates ``q.float()``).
+
+    Args:
+        head_dim: size of one head (rotated in full).
+        max_position: positions ``0 .. max_position - 1`` are cached.
+        rope_params: from :func:`rope_parameters_from_config`.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_params: dict[str, Any]):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_type = rope_params["rope_type"]
+        inv_freq = compute_inv_freq(head_dim, rope_params)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq.to(t.device)[None, :]
+        # pair i of the head uses frequency i for both of its features
+        emb = freqs.repeat_interleave(2, dim=-1)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H * head_dim]`` and ``k [T, KV * head_dim]`` by ``positions [T]`` int64.
+
+        Returns:
+            new ``(q, k)`` tensors of the same shapes and dtypes.
+        """
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim] float32
+        sin = self.sin_cache[positions].unsqueeze(1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            xh = x.reshape(x.shape[0], -1, self.head_dim)
+            out = xh.float() * cos + rotate_interleaved(xh).float() * sin
+            return out.to(x.dtype).reshape(x.shape)
+
+        return rotate(q), rotate(k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, max_position={self.max_position}, "
+            f"type={self.rope_type}, interleaved"
+        )

@@ -4,7 +4,13 @@ Tensor names follow the GGUF "standardized tensor names" (``blk.N.attn_q.weight`
 ggml's docs/gguf.md). llama.cpp's converter permutes the rows of the Q and K projections of
 Llama-architecture models (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``) so that its RoPE
 kernel can rotate adjacent pairs; :func:`reverse_permute` undoes it, as ``transformers``'
-``LlamaTensorProcessor`` does. Other architectures (qwen2, qwen3) are stored unpermuted.
+``LlamaTensorProcessor`` does. Other architectures (qwen2, qwen3, qwen3moe) are stored unpermuted.
+
+Mixture-of-experts tensors use the names the ``gguf`` package gives them (``gguf.constants``
+``TENSOR_NAMES``): the router ``ffn_gate_inp``, the stacked experts ``ffn_{gate,up,down}_exps``
+(``[E, I, H]`` and ``[E, H, I]``), the shared experts ``ffn_{gate,up,down}_shexp`` and the
+selection bias ``exp_probs_b``; they map to the stacked Hugging Face-style names that
+:class:`~fastdeploy.model_executor.models.moe_decoder.MoEDecoderForCausalLM` loads.
 """
 
 from __future__ import annotations
@@ -29,7 +35,17 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # glm4moe's name for it
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# ``blk.N.exp_probs_b.bias`` is a parameter of its own, not a module's bias.
+GGUF_EXP_PROBS_B = "exp_probs_b"
 GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -48,6 +64,8 @@ def gguf_to_hf_name(name: str) -> str:
         ValueError: a tensor name we do not know.
     """
     parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] == GGUF_EXP_PROBS_B:
+        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
@@ -75,6 +93,24 @@ def _reader(path: str | Path) -> Any:
 def gguf_architecture(reader: Any) -> str:
     """``general.architecture`` of an open ``gguf.GGUFReader`` (e.g. ``"llama"``)."""
     return reader.fields["general.architecture"].contents()
+
+
+#: GGUF metadata that ``transformers``' GGUF config reader ignores, per GGUF architecture:
+#: ``{arch}.<key>`` -> config field.
+GGUF_CONFIG_FIXES = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def gguf_config_fixes(path: str | Path) -> dict[str, Any]:
+    """Config fields that ``transformers`` does not read from this GGUF file's metadata (e.g.
+    ``moe_intermediate_size`` of a qwen3moe file, left at its 768 default there)."""
+    reader = _reader(path)
+    arch = gguf_architecture(reader)
+    fixes = {}
+    for key, field in GGUF_CONFIG_FIXES.get(arch, {}).items():
+        entry = reader.fields.get(f"{arch}.{key}")
+        if entry is not None:
+            fixes[field] = entry.contents()
+    return fixes
 
 
 def count_gguf(path: str | Path) -> int:

@@ -86,12 +86,18 @@ def _read_config(directory: Path, gguf_file: str | None) -> Any:
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoConfig.from_pretrained(str(directory), **kwargs)
+        config = AutoConfig.from_pretrained(str(directory), **kwargs)
     except (ValueError, KeyError) as e:
         raise ValueError(
             f"cannot read the model config of {str(directory / (gguf_file or 'config.json'))!r}: "
             f"{e}; supported architectures: {', '.join(supported_architectures())}"
         ) from e
+    if gguf_file:
+        from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_fixes
+
+        for field_name, value in gguf_config_fixes(directory / gguf_file).items():
+            setattr(config, field_name, value)
+    return config
 
 
 def _single_gguf(directory: Path) -> str | None:

@@ -99,7 +99,8 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer, split at attention.
 
     ``hidden_states`` and ``residual`` are ``[T, hidden_size]`` in the model dtype; ``residual`` is
-    None only entering the first layer.
+    None only entering the first layer. ``mlp`` replaces the dense SwiGLU MLP (a mixture of
+    experts, say): any module ``[T, hidden]`` -> ``[T, hidden]``.
     """
 
     def __init__(
@@ -107,8 +108,9 @@ class DecoderLayer(nn.Module):
         cfg: Any,
         layer_idx: int,
         flags: DecoderFlags,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: nn.Module,
         dtype: torch.dtype,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -127,7 +129,9 @@ class DecoderLayer(nn.Module):
             self.num_heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype)
+        if mlp is None:
+            mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype)
+        self.mlp = mlp
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
@@ -188,6 +192,21 @@ class DecoderForCausalLM(nn.Module):
         """The architecture's flags; subclasses override."""
         return DecoderFlags()
 
+    def make_rotary_embedding(self, hf_config: Any, dtype: torch.dtype) -> nn.Module:
+        """The RoPE module shared by all layers; subclasses override (partial or interleaved)."""
+        return RotaryEmbedding(
+            _head_dim(hf_config),
+            hf_config.max_position_embeddings,
+            rope_parameters_from_config(hf_config),
+            dtype,
+        )
+
+    def make_mlp(self, hf_config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx``; subclasses override (experts)."""
+        return DecoderMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, self.flags.mlp_bias, dtype
+        )
+
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32):
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
@@ -199,14 +218,11 @@ class DecoderForCausalLM(nn.Module):
         self.hidden_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
         self.embed_tokens = VocabEmbedding(self.vocab_size, self.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(
-            _head_dim(hf_config),
-            hf_config.max_position_embeddings,
-            rope_parameters_from_config(hf_config),
-            dtype,
-        )
+        self.rotary_emb = self.make_rotary_embedding(hf_config, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, i, self.flags, self.rotary_emb, dtype)
+            DecoderLayer(
+                hf_config, i, self.flags, self.rotary_emb, dtype, self.make_mlp(hf_config, i, dtype)
+            )
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype)
