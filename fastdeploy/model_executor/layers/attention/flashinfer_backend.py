@@ -32,8 +32,27 @@ import torch
 from custom_ops.kv_cache_ops import write_kv_cache
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 
-#: Float workspace shared by all wrappers (split-KV partial results); flashinfer recommends 128 MiB.
+#: Least float workspace shared by all wrappers (split-KV partial results); flashinfer recommends
+#: 128 MiB, and :func:`float_workspace_bytes` raises it where a split-KV prefill needs more.
 WORKSPACE_BYTES = 128 << 20
+#: Reserve on top of the split-KV prefill bound (alignment padding, the tmp_s rows).
+WORKSPACE_MARGIN_BYTES = 16 << 20
+
+
+def float_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """Float workspace that every plan fits in: at least :data:`WORKSPACE_BYTES`, and the most a
+    split-KV prefill plan takes.
+
+    From flashinfer 0.5.3 ``attention/scheduler.cuh`` (``PrefillPlan``): a split-KV prefill
+    allocates ``tmp_v = num_qo_heads * padded_batch_size * cta_tile_q * head_dim * 4`` bytes and
+    ``tmp_s`` (the same without ``head_dim``), where ``padded_batch_size <= 2 * num_sms /
+    num_kv_heads`` (two CTAs per SM, split only while the tiles fit) and ``cta_tile_q <= 128``.
+    With 32 query and 4 KV heads of 128 (Qwen3-30B-A3B) on 132 SMs that is 139 MB: more than the
+    128 MiB flashinfer suggests, which overflowed at 8,192-token prefills.
+    """
+    ctas_per_kv_head = 2 * num_sms // num_kv_heads
+    split_kv = num_heads * ctas_per_kv_head * 128 * (head_dim + 1) * 4
+    return max(WORKSPACE_BYTES, split_kv + WORKSPACE_MARGIN_BYTES)
 #: Int workspace (the plan's schedule) shared by the CUDA-graph decode wrappers; flashinfer's size.
 INT_WORKSPACE_BYTES = 8 << 20
 #: Context length assumed for sizing the graph page-index buffer when ``max_num_blocks`` is unset.
@@ -145,7 +164,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         ValueError: a non-CUDA device, a dtype other than float16/bfloat16, ``num_heads`` not a
             multiple of ``num_kv_heads``, or a non-positive size.
 
-    Owns a 128 MiB float workspace, an 8 MiB int workspace and the fixed-size graph buffers.
+    Owns a float workspace of :func:`float_workspace_bytes` (128 MiB or more), an 8 MiB int
+    workspace and the fixed-size graph buffers.
     """
 
     name = "flashinfer"
@@ -191,7 +211,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # (the same rule as vLLM's flashinfer backend).
         self.use_tensor_cores = num_heads // num_kv_heads > 4
         dev = self.device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        size = float_workspace_bytes(num_heads, num_kv_heads, head_dim, num_sms)
+        self.workspace = torch.zeros(size, dtype=torch.uint8, device=dev)
         self._int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend
