@@ -139,6 +139,9 @@ class CudaGraphRunner:
             for _ in range(self.num_warmups):
                 graph.run_eager(forward_meta)
         self.stream.synchronize()
+        # The warm-up's activations sit in the capture stream's cache; release them before the
+        # graphs' pool grows, or both would be reserved at once.
+        torch.cuda.empty_cache()
         t1 = time.perf_counter()
         graph.capture(self.pool, self.stream)
         self.seconds["prefill warm-up"] += t1 - t0
@@ -178,6 +181,9 @@ class CudaGraphRunner:
             for _ in range(self.num_warmups):
                 graph.run_eager(meta)
         self.stream.synchronize()
+        # The warm-up's activations sit in the capture stream's cache; release them before the
+        # graphs' pool grows, or both would be reserved at once.
+        torch.cuda.empty_cache()
         t1 = time.perf_counter()
         graph.capture(meta, self.pool, self.stream)
         self.seconds["decode warm-up"] += t1 - t0
