@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-from tp_targets import collective_rank, die_rank, layers_rank, stubborn_rank
+from tp_targets import collective_rank, die_rank, layers_rank, model_rank, stubborn_rank
 
 from fastdeploy.distributed.launcher import RankDiedError, RankProcesses
 from fastdeploy.distributed.parallel_state import parse_dist_init_addr
@@ -89,3 +89,29 @@ def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
             "num_key_value_heads=3 does not divide by tensor_parallel_size=2; allowed: a "
             "tensor_parallel_size that divides 3"
         )
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_tiny_model_at_tp2_equals_tp1(tmp_path, name):
+    """Float32 on CPU over gloo: the sharded model, loaded from the full model's checkpoint
+    tensors, gives its logits and its greedy tokens on both ranks."""
+    addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=model_rank, args=(r, 2, addr, str(tmp_path), name)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for rank in range(2):
+        result = ast.literal_eval((tmp_path / f"model{rank}.txt").read_text())
+        assert result["heads"] == (2, 1)  # 4 query and 2 KV heads over 2 ranks
+        assert result["diff"] < 1e-4, result["diff"]
+        assert result["tp"] == result["full"] and len(result["tp"]) == 8

@@ -133,3 +133,54 @@ def layers_rank(rank: int, world: int, addr: str, out_dir: str) -> None:
             f.write(repr(diffs))
     finally:
         destroy_tp_group()
+
+
+def model_rank(rank: int, world: int, addr: str, out_dir: str, name: str) -> None:
+    """A tiny model at TP=``world`` loaded from the full model's checkpoint tensors: write the
+    largest logit difference to the full model and both models' greedy tokens."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    from paged_runner import PagedRunner
+
+    from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from fastdeploy.model_executor.models.registry import resolve_model_class
+
+    common = dict(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )  # fmt: skip
+    if name == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    else:
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, mlp_bias=True)
+    tp = init_tp_group(rank, world, addr, "cpu", timeout_s=60)
+    try:
+        cls = resolve_model_class(cfg)
+        full = cls(cfg, torch.float32).eval()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for pname, p in full.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(1 + 0.2 * noise if "norm" in pname else noise * 0.3)
+        sharded = cls(cfg, torch.float32, tp=tp).eval()
+        sharded.load_weights(full.hf_state_dict().items())
+        prompt = [int(t) for t in torch.randint(3, 250, (23,), generator=g)]
+        with torch.inference_mode():
+            ref_last, ref_all = PagedRunner(full).step([("a", prompt)])
+            got_last, got_all = PagedRunner(sharded).step([("a", prompt)])
+            tokens = {
+                "full": PagedRunner(full).generate_greedy("b", prompt, 8, set())[0],
+                "tp": PagedRunner(sharded).generate_greedy("b", prompt, 8, set())[0],
+            }
+        result = {
+            "diff": (ref_all - got_all).abs().max().item(),
+            "heads": (sharded.layers[0].num_heads, sharded.layers[0].num_kv_heads),
+            **tokens,
+        }
+        with open(os.path.join(out_dir, f"model{rank}.txt"), "w") as f:
+            f.write(repr(result))
+    finally:
+        destroy_tp_group()

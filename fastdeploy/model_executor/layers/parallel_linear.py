@@ -192,6 +192,14 @@ class VocabParallelEmbedding(VocabEmbedding):
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return all_reduce(out, self.tp)
 
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
+        if param_name != "weight" or shard_id is not None:
+            raise KeyError(f"{type(self).__name__} has only 'weight'")
+        self.load_full(loaded)
+
     def load_full(self, loaded: torch.Tensor) -> None:
         """Load this rank's rows of the full ``[vocab, hidden]`` embedding (pad rows zero)."""
         rows = loaded[self.vocab_start : self.vocab_start + self.num_embeddings]
@@ -221,6 +229,14 @@ class ParallelLMHead(LMHead):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden_states, self.weight)
         return all_gather_last_dim(local, self.tp)[..., : self.full_vocab]
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
+        if param_name != "weight" or shard_id is not None:
+            raise KeyError(f"{type(self).__name__} has only 'weight'")
+        self.load_full(loaded)
 
     def load_full(self, loaded: torch.Tensor) -> None:
         """Load this rank's rows of the full ``[vocab, hidden]`` head (pad rows zero)."""

@@ -21,12 +21,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.activation import SiluAndMul
 from fastdeploy.model_executor.layers.attention.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
 from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
 from fastdeploy.model_executor.layers.normalization import RMSNorm
+from fastdeploy.model_executor.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from fastdeploy.model_executor.layers.rotary_embedding import (
     RotaryEmbedding,
     rope_parameters_from_config,
@@ -81,15 +89,34 @@ def _warn_sliding_window(cfg: Any) -> None:
 
 
 class DecoderMLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, ``[T, hidden]`` -> ``[T, hidden]``."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, ``[T, hidden]`` -> ``[T, hidden]``.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+    With a tensor-parallel group ``tp`` the intermediate size is split across ranks
+    (column-parallel gate/up, row-parallel down with one all-reduce).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype
-        )
+        if tp is not None and tp.world_size > 1:
+            self.gate_up_proj = MergedColumnParallelLinear(
+                hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype, tp=tp
+            )
+            self.down_proj = RowParallelLinear(
+                intermediate_size, hidden_size, bias=bias, dtype=dtype, tp=tp
+            )
+        else:
+            self.gate_up_proj = MergedLinear(
+                hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype
+            )
+            self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -100,7 +127,9 @@ class DecoderLayer(nn.Module):
 
     ``hidden_states`` and ``residual`` are ``[T, hidden_size]`` in the model dtype; ``residual`` is
     None only entering the first layer. ``mlp`` replaces the dense SwiGLU MLP (a mixture of
-    experts, say): any module ``[T, hidden]`` -> ``[T, hidden]``.
+    experts, say): any module ``[T, hidden]`` -> ``[T, hidden]``. With a tensor-parallel group
+    ``tp`` the layer holds ``num_heads / N`` query and ``num_kv_heads / N`` KV heads (the
+    numbers must divide) and its output projection all-reduces.
     """
 
     def __init__(
@@ -111,26 +140,36 @@ class DecoderLayer(nn.Module):
         rotary_emb: nn.Module,
         dtype: torch.dtype,
         mlp: nn.Module | None = None,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = _head_dim(cfg)
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.qkv_proj = QKVLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, flags.qkv_bias, dtype
-        )
+        sharded = tp is not None and tp.world_size > 1
+        if sharded:
+            self.qkv_proj = QKVParallelLinear(
+                hidden, self.head_dim, heads, kv_heads, flags.qkv_bias, dtype, tp=tp
+            )
+        else:
+            self.qkv_proj = QKVLinear(hidden, self.head_dim, heads, kv_heads, flags.qkv_bias, dtype)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(self.head_dim, eps, dtype) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype) if flags.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype
-        )
+        if sharded:
+            self.o_proj = RowParallelLinear(
+                heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype, tp=tp
+            )
+        else:
+            self.o_proj = Linear(heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         if mlp is None:
-            mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype)
+            mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype, tp)
         self.mlp = mlp
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -204,11 +243,14 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(self, hf_config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``; subclasses override (experts)."""
         return DecoderMLP(
-            hf_config.hidden_size, hf_config.intermediate_size, self.flags.mlp_bias, dtype
+            hf_config.hidden_size, hf_config.intermediate_size, self.flags.mlp_bias, dtype, self.tp
         )
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None
+    ):
         super().__init__()
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; supported: 'silu'")
@@ -217,16 +259,30 @@ class DecoderForCausalLM(nn.Module):
         self.flags = self.decoder_flags(hf_config)
         self.hidden_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
-        self.embed_tokens = VocabEmbedding(self.vocab_size, self.hidden_size, dtype)
+        if self.tp is not None:
+            self.embed_tokens = VocabParallelEmbedding(
+                self.vocab_size, self.hidden_size, dtype, tp=self.tp
+            )
+        else:
+            self.embed_tokens = VocabEmbedding(self.vocab_size, self.hidden_size, dtype)
         self.rotary_emb = self.make_rotary_embedding(hf_config, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                hf_config, i, self.flags, self.rotary_emb, dtype, self.make_mlp(hf_config, i, dtype)
+                hf_config,
+                i,
+                self.flags,
+                self.rotary_emb,
+                dtype,
+                self.make_mlp(hf_config, i, dtype),
+                self.tp,
             )
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype)
-        self.lm_head = LMHead(self.vocab_size, self.hidden_size, dtype)
+        if self.tp is not None:
+            self.lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, dtype, tp=self.tp)
+        else:
+            self.lm_head = LMHead(self.vocab_size, self.hidden_size, dtype)
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.embed_tokens)
 
