@@ -53,6 +53,8 @@ def float_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_
     ctas_per_kv_head = 2 * num_sms // num_kv_heads
     split_kv = num_heads * ctas_per_kv_head * 128 * (head_dim + 1) * 4
     return max(WORKSPACE_BYTES, split_kv + WORKSPACE_MARGIN_BYTES)
+
+
 #: Int workspace (the plan's schedule) shared by the CUDA-graph decode wrappers; flashinfer's size.
 INT_WORKSPACE_BYTES = 8 << 20
 #: Context length assumed for sizing the graph page-index buffer when ``max_num_blocks`` is unset.
