@@ -98,6 +98,9 @@ def gguf_architecture(reader: Any) -> str:
 #: GGUF metadata that ``transformers``' GGUF config reader ignores, per GGUF architecture:
 #: ``{arch}.<key>`` -> config field.
 GGUF_CONFIG_FIXES = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+#: The ``transformers`` model types whose GGUF files need :data:`GGUF_CONFIG_FIXES`; other files
+#: are not opened a second time (reading a file's metadata takes seconds).
+GGUF_FIXED_MODEL_TYPES = ("qwen3_moe",)
 
 
 def gguf_config_fixes(path: str | Path) -> dict[str, Any]:

@@ -93,9 +93,15 @@ def _read_config(directory: Path, gguf_file: str | None) -> Any:
             f"{e}; supported architectures: {', '.join(supported_architectures())}"
         ) from e
     if gguf_file:
-        from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_fixes
+        from fastdeploy.model_executor.model_loader.gguf_loader import (
+            GGUF_FIXED_MODEL_TYPES,
+            gguf_config_fixes,
+        )
 
-        for field_name, value in gguf_config_fixes(directory / gguf_file).items():
+        fixes = {}
+        if getattr(config, "model_type", None) in GGUF_FIXED_MODEL_TYPES:
+            fixes = gguf_config_fixes(directory / gguf_file)
+        for field_name, value in fixes.items():
             setattr(config, field_name, value)
     return config
 
