@@ -25,6 +25,37 @@ from fastdeploy.cache_manager.prefix_cache import BlockHash, PrefixCache, hash_f
 from fastdeploy.core.request import Request
 
 
+def fit_max_model_len(
+    max_model_len: int, num_blocks: int, block_size: int
+) -> tuple[int, str | None]:
+    """The admission bound of a pool: ``max_model_len`` lowered, when needed, to the tokens one
+    request can hold in ``num_blocks`` blocks of ``block_size`` tokens (the null block excluded),
+    so that every admitted request fits the pool alone and a running request that outgrows the
+    free blocks is preempted and later resumed rather than stuck (vLLM lowers it the same way).
+
+    Returns:
+        ``(max_model_len, note)``: ``note`` is None when nothing was lowered, else a sentence
+        naming the numbers (for the start-up warning and every prompt refused for length).
+
+    Raises:
+        ValueError: the pool holds fewer than 2 tokens (no prompt could ever run).
+    """
+    capacity = (num_blocks - 1) * block_size
+    if capacity < 2:
+        raise ValueError(
+            f"the KV cache holds {num_blocks - 1} usable block(s) of {block_size} tokens = "
+            f"{capacity} token(s), too few for a prompt and one output token; raise "
+            "num_gpu_blocks_override, gpu_memory_utilization or FD_CPU_KV_CACHE_SPACE"
+        )
+    if max_model_len <= capacity:
+        return max_model_len, None
+    note = (
+        f"max_model_len lowered from {max_model_len} to {capacity} at start-up: the KV cache "
+        f"holds {num_blocks - 1} blocks of {block_size} tokens"
+    )
+    return capacity, note
+
+
 class KVCacheManager:
     """Block tables of requests over a pool of ``num_blocks`` KV blocks of ``block_size`` tokens.
 
@@ -63,6 +94,11 @@ class KVCacheManager:
         """Blocks available to :meth:`allocate_slots`: free blocks plus evictable cached blocks."""
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         return self.block_pool.num_free_blocks + evictable
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Most tokens one request can hold: ``num_usable_blocks * block_size``."""
+        return self.num_usable_blocks * self.block_size
 
     @property
     def usage(self) -> float:

@@ -11,7 +11,11 @@ class EngineOutput:
 
     ``new_logprobs`` holds, per new token, ``{"token_id", "logprob", "top_logprobs": [(id, lp)]}``
     when the request asked for logprobs. ``finish_reason`` is ``stop``, ``length``, ``abort`` or
-    ``None``.
+    ``None``; ``stop_reason`` is the stop string or stop token id that ended it (None for eos).
+
+    ``new_text`` is the text this step adds to the output, already cut at a stop string and
+    without the text that could still be the start of one (held back until known): the engine's
+    stop checker owns detokenisation, so front ends only concatenate. Empty without a tokenizer.
     """
 
     request_id: str
@@ -21,3 +25,5 @@ class EngineOutput:
     finish_reason: str | None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    new_text: str = ""
+    stop_reason: str | int | None = None

@@ -5,40 +5,80 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams
 
 
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+class PromptTooLongError(ValueError):
+    """A prompt with no room for one output token within ``max_model_len`` (an OpenAI
+    ``context_length_exceeded`` error). ``num_prompt_tokens`` and ``max_model_len`` are the two
+    numbers the message names."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int, note: str | None = None):
+        why = note or "prompt tokens must be fewer than max_model_len to leave room for output"
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
+            f"({why})"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+def check_prompt_length(
+    num_prompt_tokens: int, max_model_len: int, note: str | None = None
+) -> None:
     """The one prompt-length rule: at least one token, and fewer than ``max_model_len`` so that
     there is room for one output token. Front ends (through :func:`check_prompt`) and the
-    scheduler both call it.
+    scheduler both call it. ``note`` says where ``max_model_len`` comes from when it is not the
+    configured value (the engine lowers it to what the KV cache holds).
 
     Raises:
-        ValueError: ``num_prompt_tokens == 0``, or ``num_prompt_tokens >= max_model_len`` (the
-            message names both lengths).
+        ValueError: ``num_prompt_tokens == 0``.
+        PromptTooLongError: ``num_prompt_tokens >= max_model_len`` (the message names both
+            lengths, and ``note``).
     """
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty; at least one token is required")
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
-            f"(prompt tokens must be fewer than max_model_len to leave room for output)"
-        )
+        raise PromptTooLongError(num_prompt_tokens, max_model_len, note)
 
 
-def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+def check_prompt(
+    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, note: str | None = None
+) -> None:
     """Admission check of a prompt's token ids: :func:`check_prompt_length`, then the vocabulary.
 
     Raises:
-        ValueError: an empty prompt, a prompt of ``max_model_len`` tokens or more (no room for one
-            output token; the message names both lengths), or a token id outside
-            ``[0, vocab_size)``.
+        ValueError: an empty prompt, or a token id outside ``[0, vocab_size)``.
+        PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one output
+            token; the message names both lengths).
     """
-    check_prompt_length(len(prompt_token_ids), max_model_len)
+    check_prompt_length(len(prompt_token_ids), max_model_len, note)
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_sampling(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
+    """Admission check of the sampling parameters against the model: token ids in
+    ``stop_token_ids`` and ``logit_bias`` inside the vocabulary, and stop strings only where a
+    tokenizer turns tokens into text.
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed.
+    """
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name}={bad[0]!r} is invalid; allowed: token ids in [0, {vocab_size})"
+            )
+    if params.stop and not has_tokenizer:
+        raise ValueError(
+            f"stop={params.stop!r} is invalid; allowed: no stop strings when the engine has no "
+            "tokenizer (skip_tokenizer_init): use stop_token_ids"
+        )
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +107,10 @@ class Request:
       * ``num_cached_tokens``: prompt tokens found in the prefix cache at admission.
 
     ``block_ids`` is the request's block table (KV block ids in order).
+
+    Runtime state set by the engine, which survives preemption with the request:
+    ``eos_token_ids`` (the model's eos ids) and ``detokenizer`` (its incremental detokenizer,
+    an ``engine.detokenizer.IncrementalDetokenizer`` or None without a tokenizer).
     """
 
     request_id: str
@@ -83,6 +127,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    detokenizer: Any = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +141,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def min_tokens_stop_ids(self) -> frozenset[int]:
+        """Token ids masked out of sampling while fewer than ``min_tokens`` tokens are out: eos
+        (unless ``ignore_eos``) and every ``stop_token_ids`` entry. Empty when ``min_tokens`` is
+        0."""
+        params = self.sampling_params
+        if params.min_tokens == 0:
+            return frozenset()
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from fastdeploy.config import check, check_int, unknown_key_error
+from fastdeploy.config import check, check_int, is_number, unknown_key_error
+
+#: Most entries of ``logit_bias`` (OpenAI's API refuses more than 300).
+MAX_LOGIT_BIAS_ENTRIES = 300
+#: Range of one ``logit_bias`` value (OpenAI's).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+#: Range of ``frequency_penalty`` and ``presence_penalty`` (OpenAI's).
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+def _finite_in(value: object, lo: float, hi: float) -> bool:
+    return is_number(value) and math.isfinite(value) and lo <= value <= hi
 
 
 @dataclass
@@ -13,10 +25,29 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     ``temperature=0`` is greedy. ``top_k=0`` (or -1) disables top-k; ``top_p=1`` disables top-p.
-    ``seed`` makes a sampled request reproducible whatever it is batched with. ``logprobs=N``
-    returns the log-probability of the chosen token and of the top N tokens at each step
-    (N <= 20). ``stop`` strings end generation and are cut from the text; ``stop_token_ids`` end it
-    too. ``ignore_eos`` keeps generating past eos (benchmarks).
+    ``seed`` makes a sampled request reproducible whatever it is batched with, and through a
+    preemption. ``logprobs=N`` returns the log-probability of the chosen token and of the top N
+    tokens at each step (N <= 20), from the model's raw distribution (before temperature, penalties,
+    ``logit_bias`` and the ``min_tokens`` mask). ``stop`` strings end generation and are cut from
+    the text; ``stop_token_ids`` end it too. ``ignore_eos`` keeps generating past eos
+    (benchmarks).
+
+    ``min_tokens``: the first ``min_tokens`` output tokens never end the request: eos and every
+    ``stop_token_ids`` entry are masked out of sampling for them, and a stop string must end in
+    the text of a later token. ``max_tokens`` ends it with ``length`` (so does
+    ``max_model_len``); a stop string found on that same last step wins (``stop``).
+
+    Logits processing, applied to every row (greedy ones included) before temperature, top-k and
+    top-p, in this order (as vLLM does): the ``min_tokens`` mask and ``logit_bias``, then the
+    penalties:
+
+    * ``logit_bias``: ``{token_id: bias}``, bias in [-100, 100], added to the logit (OpenAI), at
+      most 300 entries;
+    * ``repetition_penalty`` > 0 (1 disables): a token seen in the prompt or the output has its
+      logit divided by it when positive and multiplied by it when not (vLLM's definition, from
+      Keskar et al. 2019, "CTRL");
+    * ``frequency_penalty`` in [-2, 2]: subtracted once per time the token appeared in the output;
+      ``presence_penalty`` in [-2, 2]: subtracted once if it appeared at all (OpenAI's definition).
 
     Raises:
         ValueError: on a value out of range, naming the field, the value and what is allowed.
@@ -34,19 +65,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         check(self.n == 1, "n", self.n, "1")
         check(
-            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            is_number(self.temperature) and self.temperature >= 0,
             "temperature",
             self.temperature,
             "a number >= 0",
         )
         check(
-            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            is_number(self.top_p) and 0 < self.top_p <= 1,
             "top_p",
             self.top_p,
             "a number in (0, 1]",
@@ -60,6 +95,13 @@ class SamplingParams:
         check_int("seed", self.seed, minimum=0, optional=True)
         check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
         check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None:
+            check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"an integer <= max_tokens ({self.max_tokens})",
+            )
         check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -68,7 +110,10 @@ class SamplingParams:
         )
         check(
             isinstance(self.stop_token_ids, list)
-            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids
+            ),
             "stop_token_ids",
             self.stop_token_ids,
             "a list of token ids >= 0",
@@ -79,11 +124,59 @@ class SamplingParams:
             self.logprobs,
             "null or an integer in [0, 20]",
         )
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        check(
+            is_number(self.repetition_penalty)
+            and math.isfinite(self.repetition_penalty)
+            and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0 (1 disables it)",
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            check(
+                _finite_in(getattr(self, name), *PENALTY_RANGE),
+                name,
+                getattr(self, name),
+                "a number in [-2, 2]",
+            )
+        bias = self.logit_bias
+        check(isinstance(bias, dict), "logit_bias", bias, "a map of token id to bias")
+        check(
+            len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+            "logit_bias",
+            f"<{len(bias)} entries>",
+            f"at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+        )
+        for token, value in bias.items():
+            check(
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                "logit_bias",
+                {token: value},
+                "token ids >= 0 as keys",
+            )
+            check(
+                _finite_in(value, *LOGIT_BIAS_RANGE),
+                "logit_bias",
+                {token: value},
+                "bias values in [-100, 100]",
+            )
 
     @property
     def greedy(self) -> bool:
         """True when ``temperature == 0``."""
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition, frequency or presence penalties is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:

@@ -9,13 +9,15 @@ server's asyncio thread. Why a thread and not a separate process:
 * one process keeps the KV cache state, the scheduler and the metrics in one place, with no
   serialisation of requests or outputs between processes;
 * the loop never waits on HTTP: it only drains a thread-safe command queue between steps (adds,
-  aborts, stop-string finishes), steps, and posts each step's outputs to the asyncio loop with
-  ``loop.call_soon_threadsafe``. Detokenisation happens after that hand-off, so a slow client or a
-  slow tokenizer never delays the next step. Each step's new tokens reach the per-request asyncio
-  queues (and so the streams) right after that step.
+  aborts), steps, and posts each step's outputs to the asyncio loop with
+  ``loop.call_soon_threadsafe``, so a slow client never delays the next step. Each step's new
+  tokens and text reach the per-request asyncio queues (and so the streams) right after that step.
+  The engine itself detokenises (its stop checker needs the text to decide which requests end,
+  and a request ended by a stop string frees its KV blocks in that same step).
 
-All calls into the engine (``add_request``, ``abort_request``, ``finish_request``, ``step``,
-``get_stats``) happen on the engine thread, so the engine itself needs no locks.
+All calls into the engine (``add_request``, ``abort_request``, ``step``, ``get_stats``) happen on
+the engine thread, so the engine itself needs no locks; ``check_request`` is pure and runs on the
+asyncio thread.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.output_processor import process_and_finish
 from fastdeploy.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -73,19 +74,11 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class FinishRequest:
-    """Finish a request early (a stop string was found) and free its KV blocks."""
-
-    request_id: str
-    finish_reason: str
-
-
-@dataclass(frozen=True)
 class StopLoop:
     """Leave the engine loop."""
 
 
-Command = AddRequest | AbortRequest | FinishRequest | StopLoop
+Command = AddRequest | AbortRequest | StopLoop
 
 
 @dataclass
@@ -158,11 +151,11 @@ class AsyncLLMEngine:
 
     Args:
         engine: an ``LLMEngine`` (or anything with its methods: ``check_request``,
-            ``add_request``, ``abort_request``, ``finish_request``, ``step``,
-            ``has_unfinished_requests``, ``get_stats``, ``shutdown`` and the attributes
-            ``tokenizer``, ``max_model_len``, ``vocab_size``).
-        output_processor: turns ``EngineOutput`` lists into ``RequestOutput`` lists
-            (detokenisation, stop strings); default ``OutputProcessor(engine.tokenizer)``.
+            ``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
+            ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
+            ``vocab_size``).
+        output_processor: turns ``EngineOutput`` lists into cumulative ``RequestOutput`` lists;
+            default ``OutputProcessor()``.
         max_concurrency: requests admitted at once (running + waiting); more raise
             :class:`QueueFullError`. ``None`` means no limit.
         metrics: where to record; a fresh :class:`ServerMetrics` by default.
@@ -178,7 +171,7 @@ class AsyncLLMEngine:
         if output_processor is None:
             from fastdeploy.engine.output_processor import OutputProcessor
 
-            output_processor = OutputProcessor(engine.tokenizer)
+            output_processor = OutputProcessor()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
@@ -234,14 +227,16 @@ class AsyncLLMEngine:
         can answer with an HTTP error before any response starts.
 
         Raises:
-            ValueError: empty prompt, prompt not shorter than ``max_model_len`` (names both
-                lengths), a token id outside the vocabulary, or a request id already in flight.
+            ValueError: what ``engine.check_request`` raises (empty prompt, prompt not shorter
+                than ``max_model_len`` naming both lengths, a token id outside the vocabulary, a
+                sampling parameter the model cannot honour), or a request id already in flight.
             QueueFullError: ``max_concurrency`` requests are already in flight.
             EngineDeadError: the engine loop is not running.
         """
         if self._dead is not None or self._thread is None:
             raise EngineDeadError(str(self._dead or "the engine loop is not running"))
-        self.engine.check_request(prompt_token_ids)  # pure: safe off the engine thread
+        # pure: safe off the engine thread
+        self.engine.check_request(prompt_token_ids, sampling_params)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
@@ -334,8 +329,6 @@ class AsyncLLMEngine:
                     self._post(self._fail, cmd.request_id, e)
             elif isinstance(cmd, AbortRequest):
                 self.engine.abort_request(cmd.request_id)
-            elif isinstance(cmd, FinishRequest):
-                self.engine.finish_request(cmd.request_id, cmd.finish_reason)
         if changed:
             self._post(self._on_stats, self.engine.get_stats())
         return True
@@ -353,15 +346,15 @@ class AsyncLLMEngine:
         self.metrics.observe_stats(stats)
 
     def _on_step(self, outputs: list, stats: dict, now: float) -> None:
-        """Detokenise one step's outputs and hand them to their streams."""
+        """Accumulate one step's outputs and hand them to their streams."""
         self._on_stats(stats)
-        # Aborted requests, and requests already finished by a stop string, may still produce
-        # tokens in the steps before the engine thread sees their abort/finish command.
+        # Aborted requests may still produce tokens in the steps before the engine thread sees
+        # their abort command.
         outputs = [o for o in outputs if o.request_id in self._tracked]
         if not outputs:
             return
         try:
-            results = process_and_finish(self._processor, outputs, self._queue_finish)
+            results = self._processor.process(outputs)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep the server up
             logger.exception("output processing failed")
             for request_id in {o.request_id for o in outputs}:
@@ -377,10 +370,6 @@ class AsyncLLMEngine:
                 del self._tracked[ro.request_id]
                 reason = ro.outputs[0].finish_reason or "stop"
                 self.metrics.observe_finish(reason, now - tracked.arrival)
-
-    def _queue_finish(self, request_id: str, finish_reason: str) -> None:
-        """A stop string ended the request: have the engine thread free its blocks."""
-        self._commands.put(FinishRequest(request_id, finish_reason))
 
     def _record_tokens(self, tracked: _Tracked, ro: Any, now: float) -> None:
         """Feed the token counters and latency histograms from one cumulative output."""

@@ -1,11 +1,17 @@
 """The engine core: admission, the step loop, stop conditions.
 
 ``LLMEngine.step()`` asks the scheduler for a batch, runs it on the worker, appends the sampled
-tokens and finishes requests that hit eos, a stop token id, ``max_tokens`` or ``max_model_len``.
-Stop *strings* need detokenised text, so
-:class:`~fastdeploy.engine.output_processor.OutputProcessor` finds them and calls
-:meth:`LLMEngine.finish_request`. The engine itself never tokenises or detokenises; it holds
-the tokenizer only to hand it to front ends.
+tokens, and lets the :class:`~fastdeploy.engine.stop_checker.StopChecker` decide, token by token,
+which requests have ended (eos, stop token ids, stop strings, ``max_tokens``, ``max_model_len``,
+all under ``min_tokens``) and what text they add. Detokenisation runs here, on the engine's
+thread (about 0.8 us per token), because the stop decision needs the text: a request that hits a
+stop string frees its KV blocks in the same step, and the front ends only pass text on.
+
+Admission is bounded by the KV pool: at start-up ``max_model_len`` is lowered, with a warning, to
+what the pool holds for one request (``fit_max_model_len`` in
+:mod:`fastdeploy.cache_manager.kv_cache_manager`), so a prompt that could never fit is refused at
+once with the numbers, and a running request that outgrows the free blocks is preempted and
+resumed, never aborted.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import Request, RequestStatus, check_prompt
+from fastdeploy.core.request import Request, check_prompt, check_sampling
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 
@@ -24,6 +31,27 @@ if TYPE_CHECKING:
     from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
 logger = logging.getLogger(__name__)
+
+
+def check_device_available(device: str) -> None:
+    """Refuse to start on a device this machine does not have (``--print-config`` still shows
+    the plan of any device; only a running engine needs it).
+
+    Raises:
+        ValueError: ``device == "cuda"`` and CUDA is not available, saying why.
+    """
+    if device != "cuda":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    why = (
+        f"this torch build ({torch.__version__}) has no CUDA support"
+        if torch.version.cuda is None
+        else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    )
+    raise ValueError(f"device='cuda' is invalid on this machine: {why}; allowed: cpu or auto")
 
 
 class LLMEngine:
@@ -35,17 +63,24 @@ class LLMEngine:
         graph_plan: the plan of ``config`` when the caller already resolved it (``--print-config``
             shows the same one); None resolves it here.
 
+    Attributes:
+        max_model_len: the admission bound: the configured ``max_model_len``, or less when the
+            KV pool holds fewer tokens for one request (``max_model_len_note`` then says so).
+
     Raises:
-        ValueError: a setting not supported yet, or a bad plan.
+        ValueError: a setting not supported yet, a bad plan, a device this machine lacks, or a KV
+            pool too small for any request.
     """
 
     def __init__(self, config: FDConfig, graph_plan: GraphPlan | None = None) -> None:
-        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
+        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager, fit_max_model_len
+        from fastdeploy.engine.stop_checker import StopChecker
         from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
         from fastdeploy.scheduler.scheduler import Scheduler
         from fastdeploy.worker.gpu_worker import GpuWorker
 
         config.check_supported()
+        check_device_available(config.device_config.device)
         self.config = config
         self.graph_plan = graph_plan if graph_plan is not None else resolve_graph_plan(config)
         self.source = config.model_source
@@ -53,21 +88,46 @@ class LLMEngine:
         self.tokenizer = None
         if not config.model_config.skip_tokenizer_init:
             self.tokenizer = self.source.load_tokenizer()
-        self.max_model_len = self.config.model_config.max_model_len
         self.vocab_size = self.source.hf_config.vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = frozenset(self._eos_ids())
         self.worker = GpuWorker(self.config, self.graph_plan)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
+        cache = self.config.cache_config
+        self.max_model_len, self.max_model_len_note = fit_max_model_len(
+            config.model_config.max_model_len, num_blocks, cache.block_size
+        )
+        self._log_kv_cache(num_blocks)
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.graph_optimize_and_warm_up_model()
-        cache = self.config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.config.scheduler_config, self.kv_cache_manager, self.max_model_len
         )
+        self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
+
+    def _log_kv_cache(self, num_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        source = (
+            f"FD_CPU_KV_CACHE_SPACE={envs.FD_CPU_KV_CACHE_SPACE():g} GiB"
+            if self.config.device_config.device == "cpu"
+            else f"gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization:g}"
+        )
+        if self.config.cache_config.num_gpu_blocks_override is not None:
+            source = f"num_gpu_blocks_override={num_blocks}"
+        logger.info(
+            "KV cache: %d usable blocks of %d tokens = %d tokens (set by %s)",
+            num_blocks - 1,
+            block_size,
+            (num_blocks - 1) * block_size,
+            source,
+        )
+        if self.max_model_len_note is not None:
+            logger.warning(
+                "%s; raise the KV cache size to serve longer requests", self.max_model_len_note
+            )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -91,18 +151,25 @@ class LLMEngine:
         return ids
 
     # ------------------------------------------------------------ requests
-    def check_request(self, prompt_token_ids: list[int]) -> None:
-        """Admission check of a prompt, the one every front end calls before queuing.
+    def check_request(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Admission check of a request, the one every front end calls before queuing.
 
-        Pure: it reads only ``max_model_len`` and ``vocab_size``, fixed at start-up, so it is
-        safe to call from another thread than the one that steps the engine.
+        Pure: it reads only what start-up fixed (``max_model_len``, the vocabulary size, whether
+        there is a tokenizer), so it is safe to call from another thread than the one that steps
+        the engine.
 
         Raises:
-            ValueError: empty prompt, a prompt of ``max_model_len`` tokens or more (no room for
-                one output token; the message names both lengths), or a token id outside the
-                vocabulary.
+            ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
+                ``logit_bias`` id outside it, or stop strings without a tokenizer.
+            PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
+                output token; the message names both lengths, and the KV pool when that is what
+                bounds ``max_model_len``).
         """
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, self.max_model_len_note)
+        if sampling_params is not None:
+            check_sampling(sampling_params, self.vocab_size, self.tokenizer is not None)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -112,10 +179,13 @@ class LLMEngine:
         Raises:
             ValueError: what :meth:`check_request` raises, or a duplicate id.
         """
-        self.check_request(prompt_token_ids)
+        self.check_request(prompt_token_ids, sampling_params)
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(prompt_token_ids), sampling_params)
+        request = Request(
+            request_id, list(prompt_token_ids), sampling_params, eos_token_ids=self.eos_token_ids
+        )
+        self.stop_checker.start(request)
         self.scheduler.add_request(request)
         return request
 
@@ -123,82 +193,54 @@ class LLMEngine:
         """Abort a waiting or running request and free its KV blocks; False if unknown."""
         return self.scheduler.abort_request(request_id)
 
-    def finish_request(self, request_id: str, finish_reason: str = "stop") -> None:
-        """Finish a request early (a stop string was found); frees its KV blocks."""
-        request = self.scheduler.get_request(request_id)
-        if request is not None and not request.is_finished:
-            self.scheduler.finish_request(request, RequestStatus(finish_reason))
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
-        """Schedule, run and post-process one step; returns this step's new tokens."""
-        from fastdeploy.scheduler.scheduler import InsufficientKVCacheError
+        """Schedule, run and post-process one step; returns this step's new tokens and text.
 
-        try:
-            sched = self.scheduler.schedule()
-        except InsufficientKVCacheError as e:
-            # The pool cannot hold even this one request: fail it, keep serving the others.
-            logger.error("aborting request %s: %s", e.request_id, e)
-            request = self.scheduler.get_request(e.request_id)
-            self.scheduler.abort_request(e.request_id)
-            return [
-                EngineOutput(
-                    e.request_id,
-                    [],
-                    None,
-                    True,
-                    "abort",
-                    request.num_prompt_tokens if request else 0,
-                )
-            ]
+        A request the :class:`~fastdeploy.engine.stop_checker.StopChecker` ends is finished in
+        the scheduler (its KV blocks freed) before this returns.
+        """
+        sched = self.scheduler.schedule()
+        # Also when empty: the runner frees the sampling state of finished requests.
+        sampled = self.worker.execute_model(sched)
         if sched.is_empty:
             return []
-        sampled = self.worker.execute_model(sched)
         self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         now = time.monotonic()
         outputs = []
         for rid, tok in sampled.items():
             request = self.scheduler.get_request(rid)
+            if request is None:  # aborted since it was scheduled
+                continue
             logprobs = None
             k = request.sampling_params.logprobs
             if k is not None:
                 top = (tok.top_logprobs or [])[:k]
                 logprobs = [{"token_id": tok.token_id, "logprob": tok.logprob, "top_logprobs": top}]
                 request.output_logprobs.extend(logprobs)
-            status = self._check_stop(request, tok.token_id)
-            if status is not None:
+            status = self.stop_checker.check(request, tok.token_id)
+            finished = status is not None
+            if finished:
                 request.finish_time = now
                 self.scheduler.finish_request(request, status)
+            detok = request.detokenizer
             outputs.append(
                 EngineOutput(
                     rid,
                     [tok.token_id],
                     logprobs,
-                    status is not None,
-                    status.value if status is not None else None,
+                    finished,
+                    status.value if finished else None,
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
+                    new_text=detok.take_delta(finished) if detok is not None else "",
+                    stop_reason=request.stop_reason if finished else None,
                 )
             )
         return outputs
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        n_out = len(request.output_token_ids)
-        if n_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode."""

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput, process_and_finish
+from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput
 
 
 class LLM:
@@ -86,7 +86,7 @@ class LLM:
 
     def _run(self, encoded, params, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor()
         ids = [f"llm-{next(self._ids)}" for _ in encoded]
         added = []
         try:
@@ -102,7 +102,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
-                for out in process_and_finish(processor, engine.step(), engine.finish_request):
+                for out in processor.process(engine.step()):
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -17,8 +17,13 @@ Memory policy:
     running request is preempted: its blocks are freed (full blocks may survive in the prefix
     cache), its counters reset, and it goes to the FRONT of the waiting queue. On re-admission it
     re-prefills its prompt plus the tokens it had generated (no swapping to host memory).
-  * If the one request left running cannot get a block, the KV cache is smaller than that request
-    needs: :class:`InsufficientKVCacheError` is raised (the engine should abort that request).
+  * A request alone in the pool always fits when ``max_model_len`` is at most the pool's tokens,
+    which the engine guarantees at start-up (``fit_max_model_len`` in
+    :mod:`fastdeploy.cache_manager.kv_cache_manager`): a prompt that could never fit is refused
+    at admission, and a running request that outgrows the free blocks preempts the newer ones (or
+    itself) and resumes when blocks free up. Given a larger ``max_model_len``, the one request left
+    running may find no block: :class:`InsufficientKVCacheError` is raised then, a broken
+    invariant that the engine does not paper over.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class InsufficientKVCacheError(RuntimeError):
-    """A request cannot get a KV block even though every other running request was preempted.
+    """A request cannot get a KV block even though every other running request was preempted
+    (only possible when ``max_model_len`` exceeds the pool; see the module docstring).
 
     ``request_id`` names it; the scheduler's state stays consistent (the request is still
-    running and holds its blocks), so the engine can abort it and go on.
+    running and holds its blocks).
     """
 
     def __init__(self, request_id: str, message: str) -> None:

@@ -3,7 +3,8 @@
 The tokenizer is character-level (token id = code point, vocabulary 0..255, eos 0). A request's
 output is a fixed function of its prompt, so a batched request must produce exactly what it
 produces alone. Each step emits one token per running request; ``step_delay_s`` makes steps slow
-enough to disconnect in the middle of a stream.
+enough to disconnect in the middle of a stream. Which requests end, and the text they add, is
+decided by the engine's real :class:`~fastdeploy.engine.stop_checker.StopChecker`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,21 @@ import time
 
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import check_prompt
-from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.request import Request, RequestStatus, check_prompt, check_sampling
+from fastdeploy.engine.stop_checker import StopChecker
 
 
 class FakeTokenizer:
     """Characters are tokens; the chat template is ``role: content`` lines."""
 
     eos_token_id = 0
+    all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return 256
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
@@ -62,9 +70,11 @@ class FakeEngine:
         self.graph_plan = _Plan()
         self.step_delay_s = step_delay_s
         self.num_blocks = num_blocks
-        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.max_model_len_note = None
+        self.stop_checker = StopChecker(max_model_len, self.tokenizer)
+        self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
-        self.finished_early: list[str] = []
+        self.finished: dict[str, str] = {}  # request id -> finish reason
         self.steps = 0
         self.fail_next_step = False
         self.is_shut_down = False
@@ -73,25 +83,26 @@ class FakeEngine:
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def check_request(self, prompt_token_ids: list[int]) -> None:
+    def check_request(self, prompt_token_ids: list[int], sampling_params=None) -> None:
         """The real engine's admission check (pure: not recorded in ``thread_ids``)."""
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        if sampling_params is not None:
+            check_sampling(sampling_params, self.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
         self._touch()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.requests[request_id] = (list(prompt_token_ids), sampling_params, [])
+        request = Request(
+            request_id, list(prompt_token_ids), sampling_params, eos_token_ids=frozenset({0})
+        )
+        self.stop_checker.start(request)
+        self.requests[request_id] = request
 
     def abort_request(self, request_id: str) -> bool:
         self._touch()
         self.aborted.append(request_id)
         return self.requests.pop(request_id, None) is not None
-
-    def finish_request(self, request_id: str, finish_reason: str = "stop") -> None:
-        self._touch()
-        self.finished_early.append(request_id)
-        self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -103,19 +114,30 @@ class FakeEngine:
         time.sleep(self.step_delay_s)
         self.steps += 1
         outputs = []
-        for rid, (prompt, params, out) in list(self.requests.items()):
-            tok = fake_token(prompt, len(out))
-            out.append(tok)
+        for rid, request in list(self.requests.items()):
+            tok = fake_token(request.prompt_token_ids, len(request.output_token_ids))
+            request.output_token_ids.append(tok)
             logprobs = None
+            params = request.sampling_params
             if params.logprobs is not None:
                 top = [(tok, -0.25), (ord("z"), -2.0)][: params.logprobs]
                 logprobs = [{"token_id": tok, "logprob": -0.25, "top_logprobs": top}]
-            limit = min(params.max_tokens or 10**9, self.max_model_len - len(prompt))
-            done = len(out) >= limit
+            status: RequestStatus | None = self.stop_checker.check(request, tok)
+            done = status is not None
             if done:
                 del self.requests[rid]
+                self.finished[rid] = status.value
             outputs.append(
-                EngineOutput(rid, [tok], logprobs, done, "length" if done else None, len(prompt))
+                EngineOutput(
+                    rid,
+                    [tok],
+                    logprobs,
+                    done,
+                    status.value if done else None,
+                    request.num_prompt_tokens,
+                    new_text=request.detokenizer.take_delta(done),
+                    stop_reason=request.stop_reason if done else None,
+                )
             )
         return outputs
 

@@ -89,9 +89,9 @@ def test_admission_is_the_engines_check_request_on_the_callers_thread():
             super().__init__(**kw)
             self.checked: list[tuple[int, int]] = []  # (prompt length, thread id)
 
-        def check_request(self, prompt_token_ids):
+        def check_request(self, prompt_token_ids, sampling_params=None):
             self.checked.append((len(prompt_token_ids), threading.get_ident()))
-            super().check_request(prompt_token_ids)
+            super().check_request(prompt_token_ids, sampling_params)
 
     engine = CountingEngine(max_model_len=32)
 
@@ -153,7 +153,7 @@ def test_output_processing_failure_fails_only_that_request():
         good = [o async for o in ae.generate("good", [66], SamplingParams(max_tokens=3))]
         return good[-1].outputs[0].text
 
-    processor = BrokenProcessor(OutputProcessor(engine.tokenizer))
+    processor = BrokenProcessor(OutputProcessor())
     assert run(body, engine, output_processor=processor) == expected_text([66], 3)
 
 
