@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
-from fastdeploy.model_executor.layers.sampler import Sampler, SamplingMetadata
+from fastdeploy.model_executor.layers.sampler import Sampler
 from fastdeploy.worker.input_batch import InputBuffers, StepInputs, dummy_step, split_tokens
+from fastdeploy.worker.sampling_buffers import SamplingBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +60,15 @@ class GPUModelRunner:
         self.seed = seed
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
+        self.sampling = SamplingBuffers(buffers.max_num_reqs, device, seed)
         self.graph_runner = None  # set by the worker when CUDA graphs are on
         self.steps_by_mode = {"full": 0, "piecewise": 0, "eager": 0}
         self.num_padded_tokens = 0
 
     def reset_sampling_state(self) -> None:
         """Reseed the engine generator (after warm-up, so a seed gives the same output with and
-        without graphs) and drop per-request generators."""
-        self.generator.manual_seed(self.seed)
-        self._request_generators.clear()
+        without graphs) and free every request's sampling slot (the warm-up's dummy requests)."""
+        self.sampling.reset()
 
     # ---------------------------------------------------------------- capture
     def init_graph_runner(self, plan: GraphPlan, num_warmups: int, graph_opt_level: int):
@@ -125,13 +122,15 @@ class GPUModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step and sample a token for every request that reaches its last known token.
 
+        Call it for every scheduled step, empty ones included: the requests of
+        ``sched.finished_request_ids`` give back their sampling state here. Preempted requests
+        keep theirs (seeded generator, penalty counts) until they finish.
+
         Returns:
             request id -> sampled token, for the requests with ``ScheduledRequest.samples``.
         """
         for rid in sched.finished_request_ids:
-            self._request_generators.pop(rid, None)
-        for req in sched.preempted:
-            self._request_generators.pop(req.request_id, None)
+            self.sampling.free(rid)
         if sched.is_empty:
             return {}
         hidden, inputs, _ = self.forward(sched)
@@ -139,7 +138,8 @@ class GPUModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         reqs = [s.request for s in sched.scheduled if s.samples]
-        out = self.sampler(logits, self._sampling_metadata(reqs))
+        out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]))
+        self.sampling.record(reqs, out.token_ids)
         return self._to_host(out, inputs.sampling_reqs)
 
     def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs, str]:
@@ -168,33 +168,6 @@ class GPUModelRunner:
         self.steps_by_mode[mode] += 1
         self.num_padded_tokens += inputs.padded - inputs.num_tokens
         return hidden, inputs, mode
-
-    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        params = [r.sampling_params for r in reqs]
-        gens: list[torch.Generator | None] = []
-        for r, p in zip(reqs, params):
-            if p.seed is None:
-                gens.append(self.generator)
-                continue
-            gen = self._request_generators.get(r.request_id)
-            if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(p.seed)
-                self._request_generators[r.request_id] = gen
-            gens.append(gen)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=self.device
-            ),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-            top_k=torch.tensor(
-                [max(p.top_k, 0) for p in params], dtype=torch.int64, device=self.device
-            ),
-            generators=gens,
-            all_greedy=all(p.greedy for p in params),
-            max_num_logprobs=max(logprobs) if logprobs else None,
-        )
 
     def _to_host(self, out, request_ids: list[str]) -> dict[str, SampledToken]:
         ids = out.token_ids.tolist()

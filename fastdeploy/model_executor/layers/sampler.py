@@ -1,10 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-N log-probabilities."""
+"""Token sampling: logits processing, greedy, temperature, top-k, top-p, per-request seeds,
+top-N log-probabilities."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from fastdeploy.model_executor.layers.logits_processor import (
+    LogitsProcessingMetadata,
+    process_logits,
+)
 
 
 @dataclass
@@ -15,18 +21,24 @@ class SamplingMetadata:
         temperature: float32 ``[N]``; 0 marks a greedy row.
         top_p: float32 ``[N]`` in (0, 1].
         top_k: int64 ``[N]``; 0 disables top-k for that row.
-        generators: one ``torch.Generator`` per row, or ``None`` to use the engine's generator
-            (a seeded request owns its generator, so its draws do not depend on its batch-mates).
+        generators: per row, the request's own ``torch.Generator`` (a seeded request: its draws
+            do not depend on its batch-mates, and its state lives as long as the request), or
+            ``None`` to draw from ``generator``.
+        generator: the engine's generator, for the rows without their own.
         all_greedy: every row is greedy (skips the random path).
         max_num_logprobs: largest ``logprobs`` asked for in the step, or ``None``.
+        processing: the ``min_tokens`` mask, ``logit_bias`` and penalties of the step's rows, or
+            ``None`` when no row uses any of them.
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
     generators: list[torch.Generator | None]
+    generator: torch.Generator | None
     all_greedy: bool
     max_num_logprobs: int | None
+    processing: LogitsProcessingMetadata | None = None
 
 
 @dataclass
@@ -65,27 +77,32 @@ def apply_top_k_top_p(
 class Sampler:
     """Picks one token per row of logits.
 
-    Random rows use the exponential-race form of categorical sampling (``argmax(p / q)`` with
-    ``q ~ Exp(1)``), which needs no device-to-host sync and lets each row draw from its own
-    generator.
+    First the logits processing of :mod:`~fastdeploy.model_executor.layers.logits_processor`
+    (greedy rows included), then greedy rows take the argmax and random rows use the
+    exponential-race form of categorical sampling (``argmax(p / q)`` with ``q ~ Exp(1)``), which
+    needs no device-to-host sync and lets a seeded row draw from its own generator: one
+    ``[V]`` draw per sampled token, so its stream depends only on its seed and its token count.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from ``logits`` float32 ``[N, V]``; returns token ids int64 ``[N]`` and, when
-        asked,
-        log-probabilities of the raw (untempered) distribution."""
+        """Sample from ``logits`` float32 ``[N, V]`` (not modified); returns token ids int64
+        ``[N]`` and, when asked, log-probabilities of the raw distribution (before temperature,
+        penalties, ``logit_bias`` and the ``min_tokens`` mask, as vLLM reports them)."""
         logits = logits.float()
-        out = SamplerOutput(token_ids=logits.argmax(dim=-1))
         if meta.max_num_logprobs is not None:
             logp = logits.log_softmax(dim=-1)
+        if meta.processing is not None:
+            logits = process_logits(logits, meta.processing)
+        out = SamplerOutput(token_ids=logits.argmax(dim=-1))
         if not meta.all_greedy:
             greedy = meta.temperature == 0
             temp = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
             scaled = apply_top_k_top_p(logits / temp.unsqueeze(1), meta.top_k, meta.top_p)
             probs = scaled.softmax(dim=-1)
-            q = torch.empty_like(probs)
+            q = torch.empty_like(probs).exponential_(generator=meta.generator)
             for row, gen in enumerate(meta.generators):
-                q[row].exponential_(generator=gen)
+                if gen is not None:  # a seeded request: redraw its row from its own stream
+                    q[row].exponential_(generator=gen)
             sampled = (probs / q).argmax(dim=-1)
             out.token_ids = torch.where(greedy, out.token_ids, sampled)
         if meta.max_num_logprobs is not None:
