@@ -18,6 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 GRAPH_MODES = ("full", "piecewise", "eager")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+#: Why a request was refused before it reached the engine (``fastdeploy:request_rejected``):
+#: a bad field (400), a prompt with no room for output (400 ``context_length_exceeded``), an
+#: unknown model (404), ``--max-concurrency`` reached (429), the engine loop stopped (503).
+REJECT_REASONS = ("invalid", "context_length", "model_not_found", "queue_full", "unavailable")
 
 # Buckets in seconds; the same ladders vLLM and FastDeploy use for these three histograms.
 # fmt: off
@@ -48,7 +52,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "fastdeploy:request_rejected",
-            "Requests refused before reaching the engine.",
+            "Requests refused with an HTTP error before reaching the engine, by reason.",
             ["reason"],
             registry=r,
         )
@@ -106,6 +110,8 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
         for mode in GRAPH_MODES:
             self.steps.labels(mode=mode)
         self._last_steps: dict[str, int] = {}
@@ -156,7 +162,8 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
 
     def observe_rejected(self, reason: str) -> None:
-        """A request was refused with an HTTP error (``invalid``, ``queue_full``, ...)."""
+        """A request was refused with an HTTP error, for ``reason`` (one of
+        :data:`REJECT_REASONS`)."""
         self.rejected.labels(reason=reason).inc()
 
     def render(self) -> bytes:

@@ -196,7 +196,7 @@ def test_fdconfig_from_dict_rejects_unknown_part_and_key():
 def test_envs_are_read_lazily_and_typed(monkeypatch):
     monkeypatch.delenv("FD_CPU_KV_CACHE_SPACE", raising=False)
     monkeypatch.delenv("FD_ATTENTION_BACKEND", raising=False)
-    assert envs.FD_CPU_KV_CACHE_SPACE() == 4.0
+    assert envs.FD_CPU_KV_CACHE_SPACE() == 1.0
     assert envs.FD_ATTENTION_BACKEND() is None
     monkeypatch.setenv("FD_CPU_KV_CACHE_SPACE", "1.5")
     monkeypatch.setenv("FD_ATTENTION_BACKEND", "torch_native")

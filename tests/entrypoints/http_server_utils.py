@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.entrypoints.openai.api_server import build_app
+from fastdeploy.entrypoints.openai.app import build_app
 
 
 def free_port() -> int:

@@ -1,10 +1,16 @@
-"""The ``fastdeploy`` CLI parser: ``serve`` takes exactly the api_server module's arguments."""
+"""The ``fastdeploy`` CLI: ``serve`` takes exactly the api_server module's arguments, and start-up
+refuses what it can before the model loads with one ``error:`` line and exit status 2."""
 
 from __future__ import annotations
 
 import dataclasses
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.cli.main import build_parser
@@ -104,3 +110,57 @@ def test_print_config_resolves_the_backend_before_the_plan(capsys, monkeypatch):
                 "torch_native attention backend cannot run inside a full CUDA graph" in r
                 for r in out["graph_plan"]["reasons"]
             )
+
+
+# ----------------------------------------------------------------- a new user's first hour
+CLI = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve"]
+
+
+def run_cli(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    out = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout)
+    return out, time.monotonic() - started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_error_line_and_exit_2():
+    out, seconds = run_cli("--device", "cuda", "--port", "0")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: device='cuda' is invalid on this machine")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "no CUDA support" in out.stderr or "no CUDA device is visible" in out.stderr
+    assert seconds < 60  # refused before the model's config is read
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out, _ = run_cli("--host", "127.0.0.1", "--port", str(port), "--device", "cpu")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        f"error: --port={port} is invalid: cannot bind 127.0.0.1:{port} (Address already in "
+        "use); another process is listening there; stop it or pick another --port\n"
+    )
+
+
+def test_serve_help_shows_the_cpu_kv_cache_space():
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "FD_CPU_KV_CACHE_SPACE (default: 1.0)" in text
+    assert "GiB of host memory given to the KV cache" in text
+
+
+def test_print_config_imports_neither_the_web_stack_nor_the_engine():
+    code = (
+        "import sys, contextlib, io\n"
+        "from fastdeploy.entrypoints.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['serve', '--print-config']) == 0\n"
+        "heavy = ['uvicorn', 'fastapi', 'fastdeploy.entrypoints.openai.app',\n"
+        "         'fastdeploy.engine.async_engine', 'fastdeploy.worker.gpu_worker']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,48 +1,27 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+"""The OpenAI-compatible server's command line (FastAPI + uvicorn; the app is in
+:mod:`fastdeploy.entrypoints.openai.app`).
 
 Launch with ``fastdeploy serve [args]`` or ``python -m fastdeploy.entrypoints.openai.api_server
-[args]`` (same arguments: :func:`make_arg_parser`). Routes: ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics``
-(Prometheus), ``GET /v1/server_info`` (resolved config, graph plan, live engine stats).
-
-Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
-JSON, wrong types, unknown fields and bad values (naming the field), 404 for an unknown model or
-route, 429 with ``Retry-After`` when ``--max-concurrency`` requests are in flight, 503 when the
-engine loop is stopped.
+[args]`` (same arguments: :func:`make_arg_parser`). Start-up checks everything it can before the
+model loads (arguments, the device, the port), and a bad one prints one ``error: ...`` line and
+exits with status 2. ``--print-config`` imports neither the web stack nor the model code it does
+not need.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import errno
 import json
 import logging
 import signal
+import socket
 import sys
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
-from fastapi import FastAPI
-from fastapi import Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
+from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    dump,
-)
-from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
-from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastdeploy.entrypoints.openai.serving_utils import APIError, validation_message
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
@@ -51,114 +30,6 @@ logger = logging.getLogger("fastdeploy.api_server")
 
 #: Name served when ``--model`` is not given (the bundled default model).
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def build_app(
-    engine: AsyncLLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_NAME
-) -> FastAPI:
-    """The FastAPI app serving ``engine``. Its lifespan starts the engine loop and, on shutdown,
-    stops it (in-flight requests fail with 503) and releases the engine."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        logger.info("engine loop started; serving %r", served_model_name)
-        try:
-            yield
-        finally:
-            await engine.shutdown()
-            logger.info("engine loop stopped")
-
-    app = FastAPI(title="FastDeploy OpenAI-compatible server", lifespan=lifespan)
-    chat = OpenAIServingChat(engine, served_model_name)
-    completion = OpenAIServingCompletion(engine, served_model_name)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
-        engine.metrics.observe_rejected("invalid")
-        return APIError(400, message, param=param, code="invalid_value").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return APIError(500, f"internal error: {exc!r}", "internal_error").response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.is_running:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = ModelCard(
-            id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len
-        )
-        return JSONResponse(dump(ModelList(data=[card])))
-
-    @app.get("/v1/server_info")
-    async def server_info() -> JSONResponse:
-        core = engine.engine
-        return JSONResponse(
-            {
-                "model": served_model_name,
-                "max_model_len": engine.max_model_len,
-                "max_concurrency": engine.max_concurrency,
-                "config": core.config.to_dict(),
-                "graph_plan": core.graph_plan.to_dict(),
-                "num_in_flight": engine.num_in_flight,
-                "stats": engine.stats,
-            }
-        )
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await chat.create(req, raw_request)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await completion.create(req, raw_request)
-
-    return app
-
-
-class GracefulServer(uvicorn.Server):
-    """uvicorn's server, plus: once a shutdown has waited ``grace_s`` seconds for in-flight
-    requests, they end with an error (503 or an SSE error event) and are aborted in the engine,
-    so their connections close normally instead of being cancelled by uvicorn."""
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
-        super().__init__(config)
-        self.engine = engine
-        self.grace_s = grace_s
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        def expire() -> None:
-            n = self.engine.fail_in_flight("the server is shutting down")
-            if n:
-                logger.warning(
-                    "ended %d in-flight request(s) after %.0f s of grace", n, self.grace_s
-                )
-
-        timer = asyncio.get_running_loop().call_later(self.grace_s, expire)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
 
 
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -171,6 +42,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
             prog="python -m fastdeploy.entrypoints.openai.api_server",
             description="FastDeploy OpenAI-compatible server",
         )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = env_help()
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
     server.add_argument("--port", type=_port, default=8000, help="port to bind (default: 8000)")
@@ -208,6 +81,42 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     )
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def env_help() -> str:
+    """The ``--help`` epilog: every ``FD_*`` environment variable, its default and meaning."""
+    import textwrap
+
+    lines = ["environment variables:"]
+    for var in envs.describe():
+        lines.append(f"  {var.name} (default: {var.default})")
+        lines += textwrap.wrap(var.doc, 76, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once, as uvicorn will, so that a port in use is reported before the
+    model loads (port 0, any free port, is not checked).
+
+    Raises:
+        ValueError: the address cannot be bound, naming it and why.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            hint = (
+                "another process is listening there; stop it or pick another --port"
+                if e.errno == errno.EADDRINUSE
+                else "check --host and --port"
+            )
+            raise ValueError(
+                f"--port={port} is invalid: cannot bind {host}:{port} ({e.strerror}); {hint}"
+            ) from None
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -263,7 +172,8 @@ def resolve(args: argparse.Namespace) -> tuple[FDConfig, GraphPlan]:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (or print the config); returns the exit status.
 
-    A bad argument prints ``error: ...`` to stderr and returns 2.
+    A bad argument, a port in use or a device this machine lacks prints one ``error: ...`` line
+    to stderr and returns 2, before the model loads.
     """
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -275,6 +185,11 @@ def run_server(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        if not args.print_config:  # fail fast, before the model's config is even read
+            from fastdeploy.engine.engine import check_device_available
+
+            check_device_available(EngineArgs.from_cli_args(args).resolve_device())
+            check_port_free(args.host, args.port)
         config, plan = resolve(args)
         if args.print_config:
             print(json.dumps(resolved_config(args, config, plan), indent=2))
@@ -285,6 +200,11 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.openai.app import GracefulServer, build_app
+
     engine = AsyncLLMEngine(core, max_concurrency=args.max_concurrency)
     app = build_app(engine, served_name(args))
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown, then our lifespan stops the engine) and

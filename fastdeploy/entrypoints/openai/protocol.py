@@ -4,7 +4,8 @@ Field names are OpenAI's. Requests are strict: a wrong type is an error (``"10"`
 and an unknown field is an error naming it, rather than being silently dropped; both become a 400
 with an OpenAI-style error body (see :mod:`fastdeploy.entrypoints.openai.serving_utils`). A few
 widely used extensions (``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
-``skip_special_tokens``) follow vLLM / FastDeploy.
+``skip_special_tokens``, ``repetition_penalty``) follow vLLM / FastDeploy. Value ranges of the
+sampling fields are checked once, by :class:`~fastdeploy.core.sampling_params.SamplingParams`.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None
-    # OpenAI fields that clients often send at their defaults: accepted at the value that changes
-    # nothing, refused ("not supported") otherwise, so no request is silently served differently.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields that clients often send at their defaults: accepted at the value that changes
+    # nothing, refused ("not supported") otherwise, so no request is silently served differently.
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -75,14 +77,7 @@ class SamplingFields(StrictModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _zero_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v not in (None, 0):
-            raise ValueError(f"{info.field_name}={v} is not supported (only 0)")
-        return v
-
-    @field_validator("logit_bias", "tools")
+    @field_validator("tools")
     @classmethod
     def _empty(cls, v, info: ValidationInfo):
         if v:

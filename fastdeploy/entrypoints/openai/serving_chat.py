@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -25,7 +26,6 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
     api_error_from,
     bad_request,
-    chat_logprobs,
     collect_final,
     iterate_closing,
     sampling_params_from,
@@ -44,8 +44,9 @@ class OpenAIServingChat(OpenAIServing):
         encoded without adding more.
 
         Raises:
-            APIError: 400 when the template rejects the conversation.
+            APIError: 400 when the template rejects the conversation, or without a tokenizer.
         """
+        self.require_tokenizer("chat completions (the chat template)", "messages")
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
@@ -76,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
         params = sampling_params_from(req, max_tokens, logprobs)
         prompt, prompt_ids = self.render_prompt(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt)
+        stream = self.admit(request_id, prompt_ids, params, prompt, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -96,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatChoice(
                     message=ChatResponseMessage(content=comp.text),
-                    logprobs=ChatLogprobs(content=chat_logprobs(self.tokenizer, comp.logprobs))
+                    logprobs=ChatLogprobs(content=chat_logprobs(self.token_bytes, comp.logprobs))
                     if req.logprobs
                     else None,
                     finish_reason=comp.finish_reason,
@@ -142,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                 comp = ro.outputs[0]
                 num_tokens = len(comp.token_ids)
                 logprobs = (
-                    chat_logprobs(self.tokenizer, comp.delta_logprobs) if with_logprobs else None
+                    chat_logprobs(self.token_bytes, comp.delta_logprobs) if with_logprobs else None
                 )
                 if comp.delta_text or ro.finished or logprobs:
                     yield chunk(

@@ -1,4 +1,8 @@
-"""``POST /v1/completions``: a text or token-id prompt, JSON or server-sent events."""
+"""``POST /v1/completions``: a text or token-id prompt, JSON or server-sent events.
+
+Without a tokenizer (``--skip-tokenizer-init``) prompts are token ids, and every choice (each
+streamed chunk too) carries ``token_ids``, the tokens it adds, since there is no text.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -21,7 +27,6 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     api_error_from,
     bad_request,
     collect_final,
-    completion_logprobs,
     iterate_closing,
     sampling_params_from,
     sse,
@@ -37,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         one-element list of either.
 
         Raises:
-            APIError: 400 for a batch of several prompts.
+            APIError: 400 for a batch of several prompts, or a text prompt without a tokenizer.
         """
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -48,6 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self.require_tokenizer("a text prompt", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
@@ -65,12 +71,12 @@ class OpenAIServingCompletion(OpenAIServing):
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
         prompt, prompt_ids = self.tokenize_prompt(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt)
+        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt")
         with_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(stream, request_id, len(prompt_ids), include_usage, with_logprobs),
+                self._stream(stream, request_id, len(prompt_ids), include_usage, params),
                 media_type="text/event-stream",
             )
         try:
@@ -80,10 +86,15 @@ class OpenAIServingCompletion(OpenAIServing):
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         comp = final.outputs[0]
+        logprobs = None
+        if with_logprobs:
+            offsets = self.text_offsets(params)
+            logprobs = completion_logprobs(self.token_bytes, comp.logprobs, offsets)
         choice = CompletionChoice(
             text=comp.text,
-            logprobs=completion_logprobs(self.tokenizer, comp.logprobs) if with_logprobs else None,
+            logprobs=logprobs,
             finish_reason=comp.finish_reason,
+            **self._token_ids(comp.token_ids),
         )
         body = CompletionResponse(
             id=request_id,
@@ -93,33 +104,41 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         return JSONResponse(dump(body))
 
+    def _token_ids(self, token_ids: list[int]) -> dict[str, Any]:
+        """``{"token_ids": [...]}`` for a choice when the server has no tokenizer, else ``{}``."""
+        return {"token_ids": list(token_ids)} if self.tokenizer is None else {}
+
     def _stream(
         self,
         stream: Any,
         request_id: str,
         num_prompt_tokens: int,
         include_usage: bool,
-        with_logprobs: bool,
+        params: SamplingParams,
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per step with new text (the last one carries the finish
-        reason), an optional usage chunk, then ``[DONE]``."""
+        """Server-sent events: one chunk per step with new text (or new token ids without a
+        tokenizer; the last chunk carries the finish reason), an optional usage chunk, then
+        ``[DONE]``."""
         num_tokens = 0
+        with_logprobs = params.logprobs is not None
+        offsets = self.text_offsets(params)
 
         async def steps() -> AsyncIterator[str]:
             nonlocal num_tokens
-            offset = 0
             async for ro in iterate_closing(stream):
                 comp = ro.outputs[0]
                 num_tokens = len(comp.token_ids)
                 logprobs = None
                 if with_logprobs:
-                    logprobs = completion_logprobs(self.tokenizer, comp.delta_logprobs, offset)
-                    offset += sum(len(t) for t in logprobs.tokens)
-                if comp.delta_text or ro.finished or (logprobs and logprobs.tokens):
+                    logprobs = completion_logprobs(self.token_bytes, comp.delta_logprobs, offsets)
+                ids = self._token_ids(comp.delta_token_ids)
+                news = comp.delta_text or ids.get("token_ids") or (logprobs and logprobs.tokens)
+                if news or ro.finished:
                     choice = CompletionChoice(
                         text=comp.delta_text,
                         logprobs=logprobs,
                         finish_reason=comp.finish_reason if ro.finished else None,
+                        **ids,
                     )
                     yield sse(
                         dump(

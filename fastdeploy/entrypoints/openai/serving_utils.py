@@ -1,5 +1,6 @@
-"""Shared pieces of the serving handlers: OpenAI-style errors, sampling parameters, logprobs,
-server-sent events, and collecting a request's output while watching for a client disconnect."""
+"""Shared pieces of the serving handlers: OpenAI-style errors, sampling parameters, server-sent
+events, and collecting a request's output while watching for a client disconnect (logprobs are
+rendered by :mod:`fastdeploy.entrypoints.openai.logprobs`)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,32 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from fastdeploy.core.request import PromptTooLongError
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
-from fastdeploy.entrypoints.openai.protocol import (
-    CompletionLogprobs,
-    ErrorInfo,
-    ErrorResponse,
-    SamplingFields,
-    TokenLogprob,
-    TopLogprob,
-)
+from fastdeploy.engine.detokenizer import TextOffsets, TokenBytes
+from fastdeploy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 
 #: Seconds between checks for a disconnected client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.5
 
 
+#: ``fastdeploy:request_rejected_total`` reason (:data:`fastdeploy.metrics.REJECT_REASONS`) of
+#: each refusal status; a 400 ``context_length_exceeded`` counts as ``context_length``.
+REJECT_REASON_OF_STATUS = {
+    400: "invalid",
+    404: "model_not_found",
+    429: "queue_full",
+    503: "unavailable",
+}
+
+
 class APIError(Exception):
-    """An error to answer with ``status`` and an OpenAI-style body."""
+    """An error to answer with ``status`` and an OpenAI-style body.
+
+    ``reason`` is the label it is counted under in ``fastdeploy:request_rejected_total`` when it
+    refuses a request (None for a 500, which is not a refusal).
+    """
 
     def __init__(
         self,
@@ -47,6 +57,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+    @property
+    def reason(self) -> str | None:
+        """The rejection reason (see :data:`REJECT_REASON_OF_STATUS`), or None."""
+        if self.code == "context_length_exceeded":
+            return "context_length"
+        return REJECT_REASON_OF_STATUS.get(self.status)
 
     def body(self) -> dict[str, Any]:
         """The ``{"error": {...}}`` body."""
@@ -69,12 +86,16 @@ def param_of(error: ValueError) -> str | None:
     return match.group(1) if match else None
 
 
-def api_error_from(error: BaseException) -> APIError:
+def api_error_from(error: BaseException, prompt_param: str | None = None) -> APIError:
     """Map an engine-side exception to the HTTP error a client should get.
 
-    ``ValueError`` -> 400, :class:`QueueFullError` -> 429 with ``Retry-After``,
-    :class:`EngineDeadError` -> 503, anything else -> 500.
+    :class:`~fastdeploy.core.request.PromptTooLongError` -> 400 ``context_length_exceeded`` on
+    ``prompt_param``; another ``ValueError`` -> 400 on the field it names;
+    :class:`QueueFullError` -> 429 with ``Retry-After``; :class:`EngineDeadError` -> 503;
+    anything else -> 500.
     """
+    if isinstance(error, PromptTooLongError):
+        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, QueueFullError):
         return APIError(
             429,
@@ -155,10 +176,42 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         elif "union_members" in err:
             members = " or ".join(err["union_members"])
             parts.append(f"{field}: expected {members}" + (f" (got {got})" if got else ""))
+        elif kind == "value_error":  # our own validator's message, without pydantic's prefix
+            ctx_error = (err.get("ctx") or {}).get("error")
+            parts.append(str(ctx_error) if ctx_error is not None else _strip(err.get("msg")))
         else:
-            parts.append(f"{field}: {err.get('msg')}" + (f" (got {got})" if got else ""))
+            parts.append(f"{field}: {_strip(err.get('msg'))}" + (f" (got {got})" if got else ""))
         first = first or field
     return "; ".join(parts) or "invalid request body", first
+
+
+def _strip(message: Any) -> str:
+    """A pydantic message without its ``Value error, `` / ``Assertion failed, `` prefix."""
+    text = str(message)
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic/FastAPI validation errors: :func:`validation_message`, with ``param``
+    the first field at fault and ``code`` as OpenAI writes them (``unknown_parameter``,
+    ``missing_required_parameter``, ``invalid_type``, ``invalid_value``; None for a body that is
+    not JSON at all)."""
+    message, param = validation_message(errors)
+    kinds = {e.get("type") for e in errors}
+    if param is None:
+        code = None
+    elif "extra_forbidden" in kinds:
+        code = "unknown_parameter"
+    elif "missing" in kinds:
+        code = "missing_required_parameter"
+    elif any(k and (k.endswith("_type") or k.endswith("_parsing")) for k in kinds):
+        code = "invalid_type"
+    else:
+        code = "invalid_value"
+    return APIError(400, message, param=param, code=code)
 
 
 def sampling_params_from(
@@ -167,13 +220,24 @@ def sampling_params_from(
     """Build :class:`SamplingParams` from a request's OpenAI fields.
 
     Defaults follow OpenAI: ``temperature`` and ``top_p`` of 1. ``max_tokens=None`` lets the
-    request run until eos or ``max_model_len``.
+    request run until eos or ``max_model_len``. ``logit_bias`` keys are token ids written as
+    strings (OpenAI's form).
 
     Raises:
-        APIError: 400 for ``n != 1`` or a value :class:`SamplingParams` rejects (naming it).
+        APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, or a value
+            :class:`SamplingParams` rejects (naming it).
     """
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported; only n=1", "n")
+    logit_bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.strip().isdigit()):
+            raise bad_request(
+                f"logit_bias key {key!r} is invalid; allowed: token ids as strings, e.g. "
+                '{"50256": -100}',
+                "logit_bias",
+            )
+        logit_bias[int(key)] = value
     try:
         return SamplingParams(
             n=1,
@@ -188,54 +252,13 @@ def sampling_params_from(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=logit_bias,
         )
     except ValueError as e:
         raise bad_request(str(e), param_of(e)) from None
-
-
-def _token_str(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def chat_logprobs(tokenizer: Any, entries: list[dict] | None) -> list[TokenLogprob]:
-    """Chat ``logprobs.content`` from engine entries
-    ``{"token_id", "logprob", "top_logprobs": [(id, logprob), ...]}``."""
-    result = []
-    for entry in entries or []:
-        token = _token_str(tokenizer, entry["token_id"])
-        tops = [
-            TopLogprob(
-                token=(t := _token_str(tokenizer, tid)), logprob=lp, bytes=list(t.encode("utf-8"))
-            )
-            for tid, lp in entry.get("top_logprobs") or []
-        ]
-        result.append(
-            TokenLogprob(
-                token=token,
-                logprob=entry["logprob"],
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=tops,
-            )
-        )
-    return result
-
-
-def completion_logprobs(
-    tokenizer: Any, entries: list[dict] | None, text_offset_start: int = 0
-) -> CompletionLogprobs:
-    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
-    out = CompletionLogprobs()
-    offset = text_offset_start
-    for entry in entries or []:
-        token = _token_str(tokenizer, entry["token_id"])
-        out.tokens.append(token)
-        out.token_logprobs.append(entry["logprob"])
-        out.top_logprobs.append(
-            {_token_str(tokenizer, tid): lp for tid, lp in entry.get("top_logprobs") or []}
-        )
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -309,6 +332,23 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
+
+    def text_offsets(self, params: SamplingParams) -> TextOffsets | None:
+        """A fresh :class:`TextOffsets` for one response (None without a tokenizer)."""
+        if self.token_bytes is None:
+            return None
+        skip = self.tokenizer.all_special_ids if params.skip_special_tokens else ()
+        return TextOffsets(self.token_bytes, skip)
+
+    def require_tokenizer(self, what: str, param: str) -> None:
+        """Raises :class:`APIError` 400 when the server has no tokenizer and ``what`` needs it."""
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init; "
+                "send token ids to /v1/completions",
+                param,
+            )
 
     def check_model(self, model: str | None) -> None:
         """Raises :class:`APIError` 404 unless ``model`` is ``None`` or the served name."""
@@ -327,15 +367,12 @@ class OpenAIServing:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None,
+        prompt_param: str,
     ) -> RequestStream:
-        """Queue the request; raises :class:`APIError` (400, 429 or 503) when refused."""
+        """Queue the request; raises :class:`APIError` (400, 429 or 503) when refused, a prompt
+        too long for ``max_model_len`` as ``context_length_exceeded`` on ``prompt_param``. (The
+        app's error handler counts every refusal in ``fastdeploy:request_rejected_total``.)"""
         try:
             return self.engine.add_request(request_id, prompt_token_ids, params, prompt)
         except (ValueError, QueueFullError, EngineDeadError) as e:
-            reason = (
-                "queue_full"
-                if isinstance(e, QueueFullError)
-                else ("unavailable" if isinstance(e, EngineDeadError) else "invalid")
-            )
-            self.engine.metrics.observe_rejected(reason)
-            raise api_error_from(e) from None
+            raise api_error_from(e, prompt_param) from None

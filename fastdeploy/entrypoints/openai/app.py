@@ -1,0 +1,156 @@
+"""The FastAPI app of the OpenAI-compatible server, and the uvicorn server that runs it.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, graph
+plan, live engine stats).
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON, wrong types, unknown fields and bad values (naming the field in ``param``), 400
+``context_length_exceeded`` for a prompt with no room for output, 404 for an unknown model or
+route, 429 with ``Retry-After`` when ``--max-concurrency`` requests are in flight, 503 when the
+engine loop is stopped. Every refusal of a request is counted in
+``fastdeploy:request_rejected_total`` by reason (``invalid``, ``context_length``,
+``model_not_found``, ``queue_full``, ``unavailable``), in one place: the error handlers below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    dump,
+)
+from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.entrypoints.openai.serving_utils import APIError, validation_error
+
+logger = logging.getLogger("fastdeploy.api_server")
+
+
+def build_app(
+    engine: AsyncLLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+) -> FastAPI:
+    """The FastAPI app serving ``engine``. Its lifespan starts the engine loop and, on shutdown,
+    stops it (in-flight requests fail with 503) and releases the engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        logger.info("engine loop started; serving %r", served_model_name)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            logger.info("engine loop stopped")
+
+    app = FastAPI(title="FastDeploy OpenAI-compatible server", lifespan=lifespan)
+    chat = OpenAIServingChat(engine, served_model_name)
+    completion = OpenAIServingCompletion(engine, served_model_name)
+
+    def refuse(error: APIError) -> JSONResponse:
+        if error.reason is not None:
+            engine.metrics.observe_rejected(error.reason)
+        return error.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return refuse(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        return refuse(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return APIError(500, f"internal error: {exc!r}", "internal_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(
+            id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len
+        )
+        return JSONResponse(dump(ModelList(data=[card])))
+
+    @app.get("/v1/server_info")
+    async def server_info() -> JSONResponse:
+        core = engine.engine
+        return JSONResponse(
+            {
+                "model": served_model_name,
+                "max_model_len": engine.max_model_len,
+                "max_model_len_note": getattr(core, "max_model_len_note", None),
+                "max_concurrency": engine.max_concurrency,
+                "config": core.config.to_dict(),
+                "graph_plan": core.graph_plan.to_dict(),
+                "num_in_flight": engine.num_in_flight,
+                "stats": engine.stats,
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
+        return await chat.create(req, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw_request: HTTPRequest) -> Response:
+        return await completion.create(req, raw_request)
+
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: once a shutdown has waited ``grace_s`` seconds for in-flight
+    requests, they end with an error (503 or an SSE error event) and are aborted in the engine,
+    so their connections close normally instead of being cancelled by uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        def expire() -> None:
+            n = self.engine.fail_in_flight("the server is shutting down")
+            if n:
+                logger.warning(
+                    "ended %d in-flight request(s) after %.0f s of grace", n, self.grace_s
+                )
+
+        timer = asyncio.get_running_loop().call_later(self.grace_s, expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
