@@ -149,3 +149,29 @@ def test_gguf_names_and_reverse_permute():
     w = torch.randn(3 * 64, 40)
     assert torch.equal(reverse_permute(llama_cpp_permute(w, 3), 3), w)
     assert not torch.equal(llama_cpp_permute(w, 3), w)
+
+
+def test_gguf_config_is_cached_per_file_version(tmp_path, monkeypatch):
+    """The default GGUF's config is read from the file once; later starts read the cached JSON
+    (the same config), and a changed file is read again."""
+    import transformers
+
+    from fastdeploy.model_executor.model_loader import source as source_module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = source_module.resolve_model(None, "auto", None)
+    entries = list(source_module.gguf_config_cache_dir().iterdir())
+    assert len(entries) == 1 and (entries[0] / "config.json").is_file()
+    real = transformers.AutoConfig.from_pretrained
+
+    def no_gguf(path, **kwargs):
+        assert "gguf_file" not in kwargs, "the GGUF file was parsed again"
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_gguf)
+    second = source_module.resolve_model(None, "auto", None)
+    assert second.hf_config.to_dict() == first.hf_config.to_dict()
+    (entries[0] / "config.json").write_text("{broken")  # a damaged entry is read again
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", real)
+    third = source_module.resolve_model(None, "auto", None)
+    assert third.hf_config.to_dict() == first.hf_config.to_dict()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,10 @@ def default_model_file() -> Path:
 def _read_config(directory: Path, gguf_file: str | None) -> Any:
     from transformers import AutoConfig
 
+    if gguf_file:
+        cached = _cached_gguf_config(directory / gguf_file)
+        if cached is not None:
+            return cached
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(str(directory), **kwargs)
@@ -103,7 +109,51 @@ def _read_config(directory: Path, gguf_file: str | None) -> Any:
             fixes = gguf_config_fixes(directory / gguf_file)
         for field_name, value in fixes.items():
             setattr(config, field_name, value)
+        _store_gguf_config(directory / gguf_file, config)
     return config
+
+
+def gguf_config_cache_dir() -> Path:
+    """Where configs read from GGUF files are cached: ``$XDG_CACHE_HOME/fastdeploy/gguf-configs``
+    (``~/.cache`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastdeploy" / "gguf-configs"
+
+
+def _gguf_cache_path(gguf_path: Path) -> Path:
+    """The cache entry of one file version: its absolute path, size and modification time."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return gguf_config_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _cached_gguf_config(gguf_path: Path) -> Any:
+    """The config cached for this exact file version, or None. ``transformers`` reads a GGUF
+    file's whole metadata (vocabulary and merges included) to build a config: seconds each start,
+    for a few hundred bytes of JSON."""
+    from transformers import AutoConfig
+
+    entry = _gguf_cache_path(gguf_path)
+    if not (entry / "config.json").is_file():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(entry))
+    except (ValueError, KeyError, OSError):
+        return None  # a damaged entry: read the file again
+    config._name_or_path = str(gguf_path.parent)  # as if read from the file itself
+    return config
+
+
+def _store_gguf_config(gguf_path: Path, config: Any) -> None:
+    """Cache ``config`` for this file version; a cache that cannot be written is skipped."""
+    entry = _gguf_cache_path(gguf_path)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        tmp = entry / f"config.json.{os.getpid()}"
+        tmp.write_text(config.to_json_string())
+        os.replace(tmp, entry / "config.json")
+    except OSError:
+        pass
 
 
 def _single_gguf(directory: Path) -> str | None:
