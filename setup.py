@@ -22,7 +22,14 @@ setup(
     install_requires=requirements,
     extras_require={
         # accelerate: transformers needs it to load the GGUF reference model in the tests.
-        "test": ["pytest>=8", "openai>=1.30", "httpx>=0.27", "accelerate>=0.30", "ruff>=0.5"],
+        "test": [
+            "pytest>=8",
+            "openai>=1.30",
+            "httpx>=0.27",
+            "accelerate>=0.30",
+            "ruff>=0.5",
+            "hypothesis>=6",
+        ],
         "gpu": ["flashinfer-python>=0.5"],
     },
     entry_points={"console_scripts": ["fastdeploy=fastdeploy.entrypoints.cli.main:main"]},
