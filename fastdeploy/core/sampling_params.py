@@ -93,6 +93,12 @@ class SamplingParams:
             "an integer >= 0, or -1 (disabled)",
         )
         check_int("seed", self.seed, minimum=0, optional=True)
+        check(
+            self.seed is None or self.seed < 2**64,
+            "seed",
+            self.seed,
+            "an integer in [0, 2**64) (a random generator's seed is 64 bits)",
+        )
         check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import time
 import uuid
@@ -215,8 +216,10 @@ class _Legs:
         request = self.client.build_request(
             "POST",
             endpoint.url + path,
-            json=body,
-            headers={REQUEST_ID: self.request_id},
+            # ASCII JSON: a lone surrogate in a string ("\\ud83d") stays an escape for the
+            # backend to refuse, instead of failing to encode here.
+            content=json.dumps(body).encode(),
+            headers={REQUEST_ID: self.request_id, "Content-Type": "application/json"},
             timeout=self._timeout(timeout_s),
         )
         start = time.monotonic()
@@ -253,10 +256,26 @@ class _Legs:
         headers = {REQUEST_ID: self.request_id}
         media_type = response.headers.get("content-type")
 
+        streaming = (media_type or "").startswith("text/event-stream")
+
         async def passthrough():
             try:
                 async for chunk in response.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:
+                # The backend went away mid-answer: end a stream the way our servers do (an error
+                # event, then [DONE]) rather than cutting the connection.
+                logger.warning("%s %s failed mid-answer: %r", leg, endpoint.url, e)
+                if streaming:
+                    error = {
+                        "error": {
+                            "message": f"{leg} {endpoint.url} failed mid-stream: {e!r}",
+                            "type": "router_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await response.aclose()
                 pool.release(endpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from fastdeploy.router.config import POLICIES, RouterConfig
@@ -81,6 +82,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError`` naming ``host:port`` when it cannot be bound (checked before serving)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise OSError(f"--port={port} on {host} is not free: {e.strerror}") from None
+
+
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; a bad argument prints ``error: ...`` and returns 2."""
     import uvicorn
@@ -95,7 +106,8 @@ def run_router(args: argparse.Namespace) -> int:
         return 2
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        check_port_free(args.host, args.port)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = build_router_app(config)

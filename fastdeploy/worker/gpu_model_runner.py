@@ -89,7 +89,9 @@ class GPUModelRunner:
         buffers = self.buffers
         max_per_req = buffers.max_blocks_per_seq * buffers.block_size - 1
         for n in graphs.plan.prefill_capture_sizes:
-            sched = dummy_step(split_tokens(n, max_per_req), buffers.block_size)
+            # One shared block: a bucket may need more blocks than a small pool has, and what
+            # capture writes is never read as real KV.
+            sched = dummy_step(split_tokens(n, max_per_req), buffers.block_size, share_block=True)
             inputs = buffers.prepare(sched, padded=n)
             meta = self.build_forward_meta(inputs)
             graphs.capture_piecewise(n, inputs.input_ids, inputs.positions, meta)

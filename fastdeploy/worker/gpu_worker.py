@@ -132,9 +132,8 @@ class GpuWorker:
         and ``gpu_memory_utilization``; on CPU from ``FD_CPU_KV_CACHE_SPACE`` GiB. Never more than
         :meth:`blocks_needed_at_most`.
 
-        Raises:
-            RuntimeError: too little memory for one sequence of ``max_model_len``; the message
-                names the knobs to turn.
+        A pool too small for one sequence of ``max_model_len`` is returned as it is: the engine
+        then lowers ``max_model_len`` to what it holds, with a warning (``fit_max_model_len``).
         """
         cfg = self.config
         if cfg.cache_config.num_gpu_blocks_override is not None:
@@ -143,17 +142,7 @@ class GpuWorker:
             budget = self.determine_available_memory()
         else:
             budget = int(envs.FD_CPU_KV_CACHE_SPACE() * GiB)
-        num_blocks = min(budget // self.bytes_per_block, self.blocks_needed_at_most())
-        min_blocks = math.ceil(cfg.model_config.max_model_len / cfg.cache_config.block_size) + 1
-        if num_blocks < min_blocks:
-            raise RuntimeError(
-                f"the KV cache fits {num_blocks} blocks of {cfg.cache_config.block_size} tokens, "
-                f"but one sequence of max_model_len={cfg.model_config.max_model_len} needs "
-                f"{min_blocks}; "
-                "lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization "
-                "(or FD_CPU_KV_CACHE_SPACE on CPU), or set num_gpu_blocks_override"
-            )
-        return num_blocks
+        return min(budget // self.bytes_per_block, self.blocks_needed_at_most())
 
     def determine_available_memory(self) -> int:
         """Bytes left for the KV cache on CUDA after a profile run at the largest step

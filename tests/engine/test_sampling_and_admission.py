@@ -155,3 +155,20 @@ def test_requests_that_outgrow_the_free_blocks_are_preempted_and_all_finish(llm,
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
     stats = small.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_kv_budget_below_one_max_model_len_lowers_it_instead_of_failing(tiny_dir, monkeypatch):
+    """FD_CPU_KV_CACHE_SPACE too small for max_model_len=256: the engine starts and lowers it."""
+    from fastdeploy.engine.engine import LLMEngine
+
+    monkeypatch.setenv("FD_CPU_KV_CACHE_SPACE", "0.00009")  # ~94 KiB: 7 blocks of 16 tokens
+    small = tiny_llm(tiny_dir)
+    try:
+        engine: LLMEngine = small.engine
+        assert engine.max_model_len < 256
+        assert engine.max_model_len == (engine.worker.num_blocks - 1) * 16
+        assert "lowered from 256" in engine.max_model_len_note
+        out = small.generate([[5, 6, 7]], greedy(max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        small.engine.shutdown()

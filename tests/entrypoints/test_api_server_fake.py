@@ -467,3 +467,39 @@ def test_validation_message_merges_union_branches_only():
     message, param = validation_message(siblings)
     assert "'messages.0.role'" in message and "'messages.0.name'" in message
     assert param == "messages.0.role"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/completions",
+            '{"model": "fake-model", "prompt": "a\\ud83d", "max_tokens": 2}',
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+            "messages",
+        ),
+    ],
+)
+def test_lone_surrogate_is_a_400_and_the_server_stays_up(server, path, body, param):
+    """JSON allows an unpaired UTF-16 surrogate escape; no tokenizer can encode it."""
+    url = server[0]
+    r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "unpaired UTF-16 surrogate" in error["message"]
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_seed_beyond_64_bits_is_a_400_not_a_dead_engine(server):
+    url = server[0]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**64}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    body["seed"] = 2**64 - 1
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200

@@ -84,3 +84,27 @@ def fake_server(name: str, kv_params: dict | None = None, fail_status: int | Non
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)
     return app
+
+
+def dying_stream_server():
+    """A server whose stream sends one chunk, then drops the connection (a killed backend)."""
+    import asyncio
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/v1/completions")
+    async def answer(raw: HTTPRequest):
+        await raw.json()
+
+        async def chunks():
+            yield b'data: {"text": "partial"}\n\n'
+            await asyncio.sleep(0.05)
+            raise RuntimeError("backend died")  # uvicorn drops the connection mid-body
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app

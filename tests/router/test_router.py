@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_utils import fake_server, free_port, serve
+from router_utils import dying_stream_server, fake_server, free_port, serve
 
 from fastdeploy.router.app import build_router_app
 from fastdeploy.router.config import RouterConfig
@@ -233,3 +233,28 @@ def test_prefill_error_is_passed_to_the_client():
         r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         assert r.status_code == 400 and "prefill refused" in r.json()["error"]["message"]
         assert d.state.seen == []
+
+
+def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_event():
+    with serve(dying_stream_server()) as ub, router(backend=[ub]) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}) as r:
+            raw = b"".join(r.iter_raw())
+        assert raw.startswith(b'data: {"text": "partial"}')
+        assert b"failed mid-stream" in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_busy_port_is_one_error_line_and_exit_2():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "fastdeploy.router", "--backend", "http://127.0.0.1:1",
+             "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: --port={port} on 127.0.0.1")

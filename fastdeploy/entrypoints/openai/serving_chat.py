@@ -26,6 +26,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
     api_error_from,
     bad_request,
+    check_text,
     collect_final,
     iterate_closing,
     sampling_params_from,
@@ -57,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # noqa: BLE001 - a template error is the client's conversation
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(check_text(text, "messages"), add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
         """Run one chat completion.

@@ -26,6 +26,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
     api_error_from,
     bad_request,
+    check_text,
     collect_final,
     iterate_closing,
     sampling_params_from,
@@ -54,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.require_tokenizer("a text prompt", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
         return None, list(prompt)
 
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> Response:

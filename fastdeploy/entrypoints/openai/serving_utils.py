@@ -80,6 +80,24 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
+def check_text(text: str, param: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (what the tokenizer takes).
+
+    Raises:
+        APIError: 400 naming ``param`` when the text holds a lone UTF-16 surrogate (JSON allows
+            ``"\\ud83d"`` alone; no tokenizer can encode it).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(
+            f"{param} holds an unpaired UTF-16 surrogate {text[e.start : e.end]!r} at character "
+            f"{e.start}; allowed: valid Unicode text",
+            param,
+        ) from None
+    return text
+
+
 def param_of(error: ValueError) -> str | None:
     """The field named by a config-style ``ValueError('name=value is invalid; ...')``."""
     match = re.match(r"^(\w+)=", str(error))
