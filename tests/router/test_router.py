@@ -258,3 +258,28 @@ def test_a_busy_port_is_one_error_line_and_exit_2():
         )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: --port={port} on 127.0.0.1")
+
+
+def test_fastdeploy_router_subcommand():
+    """``fastdeploy router`` is the same command as ``python -m fastdeploy.router``."""
+    from fastdeploy.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["router", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "9"]
+    )
+    assert (args.prefill, args.decode, args.port) == (["http://p:1"], ["http://d:2"], 9)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastdeploy.entrypoints.cli.main",
+            "router",
+            "--decode",
+            "http://d:2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "at least one prefill URL and one decode URL" in out.stderr.strip().splitlines()[-1]

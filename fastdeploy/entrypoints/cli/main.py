@@ -17,6 +17,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per subcommand."""
     from fastdeploy.entrypoints.openai.api_server import make_arg_parser, run_server
+    from fastdeploy.router.cli import make_router_parser, run_router
 
     parser = argparse.ArgumentParser(prog="fastdeploy", description="FastDeploy-style LLM engine")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -27,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make_arg_parser(serve)
     serve.set_defaults(func=run_server)
+    router = subparsers.add_parser(
+        "router",
+        help="start the router in front of PD pairs or plain replicas",
+        description="Start the OpenAI-compatible router (FastAPI + an async HTTP client).",
+    )
+    make_router_parser(router)
+    router.set_defaults(func=run_router)
     return parser
 
 
