@@ -1,12 +1,11 @@
 """The ``nixl`` KV transport: NIXL (UCX backend) reads a peer's KV blocks straight into ours.
 
 API of the PyPI package ``nixl`` 1.5 (https://github.com/ai-dynamo/nixl). The KV caches are
-registered once; a pull is one READ of descriptor pairs, one pair per run of blocks that are
-consecutive on both sides (:func:`~fastdeploy.splitwise.transport.merge_pairs`) per layer, since the
-descriptor count, not the bytes, is what makes block transfers slow. The peer's agent metadata
-travels base64-encoded in its :meth:`NixlKVTransport.local_metadata` (inside ``kv_transfer_params``)
-and is added once per peer. The engine never sees NIXL types: it polls a
-:class:`~fastdeploy.splitwise.transport.Transfer`.
+registered once; a pull is one READ of descriptor pairs, one pair per layer and run of blocks
+consecutive on both sides (``merge_block_runs``), since the descriptor count, not the bytes, is
+what makes block transfers slow. The peer's agent metadata travels base64-encoded in its
+:meth:`NixlKVTransport.local_metadata` (inside ``kv_transfer_params``) and is added once per peer.
+The engine never sees NIXL types: it polls a :class:`~fastdeploy.splitwise.transport.Transfer`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import time
 
 import torch
 
-from fastdeploy.splitwise.transport import Transfer, block_bytes, merge_pairs
+from fastdeploy.cache_manager.block_runs import merge_block_runs
+from fastdeploy.splitwise.transport import Transfer, block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class NixlKVTransport:
         kv = self.kv_caches[0]
         local_dev = kv.device.index or 0
         local, far = [], []
-        for r, loc, n in merge_pairs(remote_ids, local_ids):
+        for r, loc, n in merge_block_runs(remote_ids, local_ids):
             for layer, base in enumerate(remote["base_addrs"]):
                 far.append((base + r * size, n * size, remote["device_id"]))
                 local.append((self.kv_caches[layer].data_ptr() + loc * size, n * size, local_dev))

@@ -14,48 +14,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("auto", "nixl", "tcp")
 
 
-def merge_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive block ids as ``(first, count)``, in order: one transfer descriptor per
-    run instead of one per block (the descriptor count is what makes block transfers slow).
-
-    >>> merge_runs([3, 4, 5, 9, 10, 2])
-    [(3, 3), (9, 2), (2, 1)]
-    """
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
-
-
 def block_bytes(kv_cache: torch.Tensor) -> int:
     """Bytes of one block of one layer (``kv_cache`` is ``[num_blocks, ...]``)."""
     return kv_cache[0].numel() * kv_cache.element_size()
-
-
-def merge_pairs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Runs where both the remote and the local block ids are consecutive, as
-    ``(remote_first, local_first, count)``: one descriptor pair per run.
-
-    >>> merge_pairs([3, 4, 5, 9], [1, 2, 7, 8])
-    [(3, 1, 2), (5, 7, 1), (9, 8, 1)]
-    """
-    runs: list[tuple[int, int, int]] = []
-    for r, loc in zip(remote_ids, local_ids):
-        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((r, loc, 1))
-    return runs
 
 
 @dataclass

@@ -2,7 +2,7 @@
 and the block copies between the two on a side stream (``docs/pd-disaggregation.md``, "Host tier").
 
 Because the layout is the device's, one block of one layer is one contiguous copy, and a run of
-blocks that are consecutive on both sides is one copy too (:func:`copy_runs`). On CUDA the host
+blocks that are consecutive on both sides is one copy too (``merge_block_runs``). On CUDA the host
 memory is pinned, copies are ``non_blocking`` on a side stream that first waits for the compute
 stream, and a copy job ends with a CUDA event (one per layer for a layer-by-layer swap-in), so
 nobody syncs the host. On CPU (tests, CI) copies are plain and done at once.
@@ -16,18 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastdeploy.cache_manager.block_runs import merge_block_runs
+
 GiB = 1 << 30
-
-
-def copy_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(src_first, dst_first, count)`` runs where both id lists are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def host_memory_bytes() -> int:
@@ -140,7 +131,9 @@ class HostKVPool:
     ) -> CopyJob:
         """Copy ``device_blocks`` of every layer into ``host_blocks`` (write-through). The caller
         keeps the device blocks pinned and the host blocks unpublished until the job is done."""
-        return self._copy(self.layers, kv_caches, copy_runs(device_blocks, host_blocks), False)
+        return self._copy(
+            self.layers, kv_caches, merge_block_runs(device_blocks, host_blocks), False
+        )
 
     def load(
         self,
@@ -152,4 +145,6 @@ class HostKVPool:
         """Copy ``host_blocks`` into ``device_blocks`` of every layer (swap-in). With
         ``per_layer`` the job has one event per layer, in layer order, for attention to wait on
         before it reads that layer."""
-        return self._copy(kv_caches, self.layers, copy_runs(host_blocks, device_blocks), per_layer)
+        return self._copy(
+            kv_caches, self.layers, merge_block_runs(host_blocks, device_blocks), per_layer
+        )

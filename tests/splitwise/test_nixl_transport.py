@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from fastdeploy.splitwise.transport import make_transport, merge_pairs
+from fastdeploy.splitwise.transport import make_transport
 
 SHAPE = (12, 2, 4, 2, 8)
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
@@ -30,10 +30,6 @@ t.register(kv)
 print(json.dumps(t.local_metadata()), flush=True)
 time.sleep(600)
 """.replace("SHAPE", repr(SHAPE))
-
-
-def test_merge_pairs():
-    assert merge_pairs([3, 4, 5, 9], [1, 2, 7, 8]) == [(3, 1, 2), (5, 7, 1), (9, 8, 1)]
 
 
 def test_make_transport_choice(monkeypatch):

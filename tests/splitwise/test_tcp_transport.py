@@ -11,7 +11,6 @@ import torch
 from splitwise_utils import free_port
 
 from fastdeploy.splitwise.tcp_transport import TcpKVTransport
-from fastdeploy.splitwise.transport import merge_runs
 
 SHAPE = (12, 2, 4, 2, 8)  # [num_blocks, K/V, block_size, kv_heads, head_dim]
 
@@ -21,11 +20,6 @@ def caches(dtype, fill: bool, layers: int = 3, shape=SHAPE) -> list[torch.Tensor
     if fill:
         return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
     return [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-
-
-def test_merge_runs():
-    assert merge_runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
-    assert merge_runs([]) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy.worker.host_kv_pool import HostKVPool, copy_runs, host_blocks_for, host_memory_bytes
+from fastdeploy.worker.host_kv_pool import HostKVPool, host_blocks_for, host_memory_bytes
 
 SHAPE = (9, 2, 4, 2, 8)
 
@@ -27,8 +27,7 @@ def test_store_then_load_round_trips_blocks():
         assert torch.count_nonzero(restored[[0, 2, 3, 4, 7, 8]]) == 0
 
 
-def test_copy_runs_and_sizing():
-    assert copy_runs([2, 3, 7, 8], [0, 1, 4, 6]) == [(2, 0, 2), (7, 4, 1), (8, 6, 1)]
+def test_sizing():
     assert host_blocks_for(1, 1 << 20) == 1024
     with pytest.raises(ValueError, match=r"swap_space=100000 GiB is invalid.*this host's"):
         host_blocks_for(100000, 1 << 20)
