@@ -18,7 +18,7 @@ import time
 import torch
 
 from fastdeploy.cache_manager.block_runs import merge_block_runs
-from fastdeploy.splitwise.transport import Transfer, block_bytes
+from fastdeploy.splitwise.transport import Transfer, block_bytes, start_pull_thread
 
 logger = logging.getLogger(__name__)
 
@@ -86,27 +86,23 @@ class NixlKVTransport:
             ValueError: id lists of different lengths, nothing registered, or a layout that
                 differs from the peer's (layers, block bytes).
         """
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(
-                f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local blocks"
-            )
-        if not self.kv_caches:
-            raise ValueError("register the KV caches before pulling")
-        size = block_bytes(self.kv_caches[0])
-        layers = len(self.kv_caches)
-        if remote["block_bytes"] != size or len(remote["base_addrs"]) != layers:
-            raise ValueError(
-                f"layout mismatch: peer has {len(remote['base_addrs'])} layers of "
-                f"{remote['block_bytes']} B blocks, here {layers} of {size} B"
-            )
-        transfer = Transfer(request_id)
-        threading.Thread(
-            target=self._pull,
-            args=(transfer, remote, list(remote_block_ids), list(local_block_ids), timeout_s),
-            name=f"kv-nixl-{request_id}",
-            daemon=True,
-        ).start()
-        return transfer
+        if self.kv_caches:
+            size = block_bytes(self.kv_caches[0])
+            layers = len(self.kv_caches)
+            if remote["block_bytes"] != size or len(remote["base_addrs"]) != layers:
+                raise ValueError(
+                    f"layout mismatch: peer has {len(remote['base_addrs'])} layers of "
+                    f"{remote['block_bytes']} B blocks, here {layers} of {size} B"
+                )
+        return start_pull_thread(
+            self._pull,
+            self.kv_caches,
+            request_id,
+            remote,
+            remote_block_ids,
+            local_block_ids,
+            timeout_s,
+        )
 
     def _descs(self, remote: dict, remote_ids: list[int], local_ids: list[int]):
         size = block_bytes(self.kv_caches[0])

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fastdeploy.splitwise.transport import Transfer, block_bytes
+from fastdeploy.splitwise.transport import Transfer, block_bytes, start_pull_thread
 
 logger = logging.getLogger(__name__)
 
@@ -130,21 +130,15 @@ class TcpKVTransport:
         Raises:
             ValueError: the two id lists differ in length, or nothing is registered.
         """
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(
-                f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local blocks"
-            )
-        if not self.kv_caches:
-            raise ValueError("register the KV caches before pulling")
-        transfer = Transfer(request_id)
-        thread = threading.Thread(
-            target=self._pull,
-            args=(transfer, remote, list(remote_block_ids), list(local_block_ids), timeout_s),
-            name=f"kv-pull-{request_id}",
-            daemon=True,
+        return start_pull_thread(
+            self._pull,
+            self.kv_caches,
+            request_id,
+            remote,
+            remote_block_ids,
+            local_block_ids,
+            timeout_s,
         )
-        thread.start()
-        return transfer
 
     def _pull(self, transfer, remote, remote_ids, local_ids, timeout_s) -> None:
         start = time.monotonic()

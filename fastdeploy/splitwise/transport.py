@@ -14,9 +14,42 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("auto", "nixl", "tcp")
+
+
+def start_pull_thread(
+    pull: Callable[..., None],
+    kv_caches: list[torch.Tensor],
+    request_id: str,
+    remote: dict,
+    remote_block_ids: list[int],
+    local_block_ids: list[int],
+    timeout_s: float,
+) -> Transfer:
+    """The checks every transport's ``start_pull`` makes, then ``pull(transfer, remote,
+    remote_ids, local_ids, timeout_s)`` on a new thread; returns the :class:`Transfer` it ends.
+
+    Raises:
+        ValueError: the two id lists differ in length, or no KV cache is registered.
+    """
+    if len(remote_block_ids) != len(local_block_ids):
+        raise ValueError(
+            f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local blocks"
+        )
+    if not kv_caches:
+        raise ValueError("register the KV caches before pulling")
+    transfer = Transfer(request_id)
+    threading.Thread(
+        target=pull,
+        args=(transfer, remote, list(remote_block_ids), list(local_block_ids), timeout_s),
+        name=f"kv-pull-{request_id}",
+        daemon=True,
+    ).start()
+    return transfer
 
 
 def block_bytes(kv_cache: torch.Tensor) -> int:
