@@ -54,7 +54,30 @@ def rank_slice(loaded: torch.Tensor, dim: int, rank: int, world: int, name: str)
     return loaded.narrow(dim, rank * size, size)
 
 
-class MergedColumnParallelLinear(MergedLinear):
+class _RowsPerShard:
+    """Loading of a merged column-parallel layer: each checkpoint shard (q, k, v; gate, up) is
+    loaded full and this rank keeps its contiguous rows of it."""
+
+    tp_rank: int
+    tp_world: int
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of one full checkpoint shard.
+
+        Raises:
+            KeyError: ``shard_id`` None under TP (a merged checkpoint tensor interleaves the
+                shards, so it cannot be sliced by rank).
+        """
+        if shard_id is None and self.tp_world > 1:
+            raise KeyError(f"{type(self).__name__} under TP loads one shard at a time")
+        if shard_id is not None:
+            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
+        super().load_weight(param_name, loaded, shard_id)
+
+
+class MergedColumnParallelLinear(_RowsPerShard, MergedLinear):
     """Merged projections (gate/up) with each shard's output rows split across ranks.
 
     Args:
@@ -79,19 +102,8 @@ class MergedColumnParallelLinear(MergedLinear):
         ]
         super().__init__(input_size, local, shard_ids, bias=bias, dtype=dtype)
 
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        """Load this rank's rows of one full checkpoint shard (``shard_id`` None is refused
-        under TP: a merged checkpoint tensor interleaves the shards)."""
-        if shard_id is None and self.tp_world > 1:
-            raise KeyError(f"{type(self).__name__} under TP loads one shard at a time")
-        if shard_id is not None:
-            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
-        super().load_weight(param_name, loaded, shard_id)
 
-
-class QKVParallelLinear(QKVLinear):
+class QKVParallelLinear(_RowsPerShard, QKVLinear):
     """Merged q/k/v with the heads split across ranks: each rank holds ``num_heads / N`` query
     heads and ``num_kv_heads / N`` KV heads.
 
@@ -114,15 +126,6 @@ class QKVParallelLinear(QKVLinear):
         heads = divide(num_heads, self.tp_world, "num_attention_heads")
         kv_heads = divide(num_kv_heads, self.tp_world, "num_key_value_heads")
         super().__init__(hidden_size, head_dim, heads, kv_heads, bias=bias, dtype=dtype)
-
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        if shard_id is None and self.tp_world > 1:
-            raise KeyError("QKVParallelLinear under TP loads q, k and v one at a time")
-        if shard_id is not None:
-            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
-        super().load_weight(param_name, loaded, shard_id)
 
 
 class RowParallelLinear(Linear):
@@ -165,7 +168,38 @@ class RowParallelLinear(Linear):
         super().load_weight(param_name, loaded, shard_id)
 
 
-class VocabParallelEmbedding(VocabEmbedding):
+class _VocabRange:
+    """A vocabulary split into ``N`` contiguous ranges of ``ceil(vocab / N)`` rows (the last one
+    padded); this rank holds rows ``vocab_start ..`` of the full ``[vocab, hidden]`` weight."""
+
+    weight: torch.nn.Parameter
+
+    def _init_range(self, vocab: int, tp: TPGroup | None) -> int:
+        """Set the rank fields; returns the rows per rank."""
+        self.tp_rank, self.tp_world = tp_rank_world(tp)
+        self.full_vocab = vocab
+        self.tp = tp
+        per_rank = -(-vocab // self.tp_world)
+        self.vocab_start = self.tp_rank * per_rank
+        return per_rank
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
+        if param_name != "weight" or shard_id is not None:
+            raise KeyError(f"{type(self).__name__} has only 'weight'")
+        self.load_full(loaded)
+
+    def load_full(self, loaded: torch.Tensor) -> None:
+        """Load this rank's rows of the full ``[vocab, hidden]`` weight (pad rows zero)."""
+        rows = loaded[self.vocab_start : self.vocab_start + self.weight.shape[0]]
+        with torch.no_grad():
+            self.weight.zero_()
+        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, f"{type(self).__name__}.weight")
+
+
+class VocabParallelEmbedding(_VocabRange, VocabEmbedding):
     """The vocabulary in ``N`` contiguous ranges (padded up to a multiple of ``N``); ids outside
     this rank's range look up zeros, and an all-reduce sums the ranks."""
 
@@ -176,12 +210,8 @@ class VocabParallelEmbedding(VocabEmbedding):
         dtype: torch.dtype | None = None,
         tp: TPGroup | None = None,
     ):
-        self.tp_rank, self.tp_world = tp_rank_world(tp)
-        self.full_vocab = num_embeddings
-        per_rank = -(-num_embeddings // self.tp_world)
+        per_rank = self._init_range(num_embeddings, tp)
         super().__init__(per_rank, embedding_dim, dtype=dtype)
-        self.vocab_start = self.tp_rank * per_rank
-        self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_world == 1:
@@ -192,23 +222,8 @@ class VocabParallelEmbedding(VocabEmbedding):
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return all_reduce(out, self.tp)
 
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
-        if param_name != "weight" or shard_id is not None:
-            raise KeyError(f"{type(self).__name__} has only 'weight'")
-        self.load_full(loaded)
 
-    def load_full(self, loaded: torch.Tensor) -> None:
-        """Load this rank's rows of the full ``[vocab, hidden]`` embedding (pad rows zero)."""
-        rows = loaded[self.vocab_start : self.vocab_start + self.num_embeddings]
-        with torch.no_grad():
-            self.weight.zero_()
-        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, "embed_tokens.weight")
-
-
-class ParallelLMHead(LMHead):
+class ParallelLMHead(_VocabRange, LMHead):
     """Each rank computes the logits of its vocabulary range; :meth:`forward` all-gathers them
     and drops the padding, so every rank gets ``[N, vocab]``."""
 
@@ -219,28 +234,9 @@ class ParallelLMHead(LMHead):
         dtype: torch.dtype | None = None,
         tp: TPGroup | None = None,
     ):
-        self.tp_rank, self.tp_world = tp_rank_world(tp)
-        self.full_vocab = vocab_size
-        per_rank = -(-vocab_size // self.tp_world)
+        per_rank = self._init_range(vocab_size, tp)
         super().__init__(per_rank, hidden_size, dtype=dtype)
-        self.vocab_start = self.tp_rank * per_rank
-        self.tp = tp
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden_states, self.weight)
         return all_gather_last_dim(local, self.tp)[..., : self.full_vocab]
-
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
-        if param_name != "weight" or shard_id is not None:
-            raise KeyError(f"{type(self).__name__} has only 'weight'")
-        self.load_full(loaded)
-
-    def load_full(self, loaded: torch.Tensor) -> None:
-        """Load this rank's rows of the full ``[vocab, hidden]`` head (pad rows zero)."""
-        rows = loaded[self.vocab_start : self.vocab_start + self.vocab_size]
-        with torch.no_grad():
-            self.weight.zero_()
-        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, "lm_head.weight")
