@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fastdeploy.core.request import Request
-from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from fastdeploy.model_executor.layers.logits_processor import LogitsProcessingMetadata
 from fastdeploy.model_executor.layers.sampler import SamplingMetadata
 
@@ -122,7 +122,7 @@ class SamplingBuffers:
             generator=self.generator,
             all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max(logprobs) if logprobs else None,
-            processing=self._processing(reqs, slots, bool(active[:n].any())),
+            processing=self._processing(params, slots, bool(active[:n].any())),
         )
 
     def record(self, reqs: list[Request], token_ids: torch.Tensor) -> None:
@@ -135,13 +135,12 @@ class SamplingBuffers:
 
     # ------------------------------------------------------------------ internals
     def _processing(
-        self, reqs: list[Request], slots: torch.Tensor, any_active: bool
+        self, params: list[SamplingParams], slots: torch.Tensor, any_active: bool
     ) -> LogitsProcessingMetadata | None:
-        params = [r.sampling_params for r in reqs]
         meta = LogitsProcessingMetadata()
         if any_active and self.stop_mask is not None:
             meta.stop_mask = self.stop_mask.index_select(0, slots)
-            meta.min_tokens_active = self._active[: len(reqs)]
+            meta.min_tokens_active = self._active[: len(params)]
         if any(p.logit_bias for p in params):
             meta.bias_ids = self.bias_ids.index_select(0, slots)
             meta.bias_values = self.bias_values.index_select(0, slots)

@@ -21,22 +21,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
+def run_two_ranks(target, tmp_path, *extra, timeout_s: float = 180) -> None:
+    """Run ``target(rank, 2, addr, tmp_path, *extra)`` in two spawned ranks; both must exit 0.
+    Every process is killed afterwards, even when an assertion fails."""
     addr = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=collective_rank, args=(r, 2, addr, str(tmp_path))) for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=(r, 2, addr, str(tmp_path), *extra)) for r in range(2)]
     for p in procs:
         p.start()
     try:
         for p in procs:
-            p.join(120)
+            p.join(timeout_s)
             assert p.exitcode == 0
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
+
+
+def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
+    run_two_ranks(collective_rank, tmp_path)
     for rank in range(2):
         summed, gathered, step = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
         assert summed == [3.0, 3.0, 3.0]  # 1 + 2
@@ -67,19 +71,7 @@ def test_bad_dist_init_addr(bad):
 
 
 def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
-    addr = f"127.0.0.1:{free_port()}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=layers_rank, args=(r, 2, addr, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_two_ranks(layers_rank, tmp_path)
     for rank in range(2):
         diffs = ast.literal_eval((tmp_path / f"layers{rank}.txt").read_text())
         for name in ("mlp", "qkv", "embedding", "lm_head"):
@@ -95,21 +87,7 @@ def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
 def test_tiny_model_at_tp2_equals_tp1(tmp_path, name):
     """Float32 on CPU over gloo: the sharded model, loaded from the full model's checkpoint
     tensors, gives its logits and its greedy tokens on both ranks."""
-    addr = f"127.0.0.1:{free_port()}"
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=model_rank, args=(r, 2, addr, str(tmp_path), name)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(180)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_two_ranks(model_rank, tmp_path, name)
     for rank in range(2):
         result = ast.literal_eval((tmp_path / f"model{rank}.txt").read_text())
         assert result["heads"] == (2, 1)  # 4 query and 2 KV heads over 2 ranks
