@@ -61,3 +61,26 @@ def get_json(url: str, path: str) -> dict:
     r = httpx.get(url + path, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@contextmanager
+def fake_server(model: str = "fake-model") -> Iterator[tuple[str, object, AsyncLLMEngine]]:
+    """The fake engine (``max_model_len`` 128, 2 ms steps) served on a thread; yields
+    ``(url, fake engine, async engine)``."""
+    from fake_llm_engine import FakeEngine
+
+    engine = FakeEngine(max_model_len=128, step_delay_s=0.002)
+    with serve_in_thread(engine, model, max_concurrency=64) as (url, async_engine):
+        yield url, engine, async_engine
+
+
+def metric_samples(url: str) -> dict:
+    """``{(sample name, sorted labels): value}`` of ``url``'s ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
