@@ -17,6 +17,10 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+CACHE_TRANSFER_PROTOCOLS = ("auto", "nixl", "tcp")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+SWAP_IN_MODES = ("request", "layerwise")
+HOST_STORE_POLICIES = ("prompt", "all")
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -86,13 +90,21 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """Paged KV cache. ``swap_space`` is the host (CPU) KV tier in GiB; 0 means none."""
+    """Paged KV cache. ``swap_space`` is the host (CPU) KV tier in GiB; 0 means none.
+
+    ``swap_in_mode`` says how host hits come back: ``request`` (the request waits until its
+    copies land; no wait inside the forward) or ``layerwise`` (copies per layer, attention waits
+    on each layer's event). ``host_store_policy`` says which full blocks are written through to
+    the host: ``prompt`` blocks only, or ``all`` (decode blocks too).
+    """
 
     block_size: int = 64
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 0
     enable_prefix_caching: bool = True
+    swap_in_mode: str = "request"
+    host_store_policy: str = "prompt"
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
@@ -115,23 +127,117 @@ class CacheConfig:
             self.enable_prefix_caching,
             "true or false",
         )
+        check(
+            self.swap_in_mode in SWAP_IN_MODES,
+            "swap_in_mode",
+            self.swap_in_mode,
+            ", ".join(SWAP_IN_MODES),
+        )
+        check(
+            self.host_store_policy in HOST_STORE_POLICIES,
+            "host_store_policy",
+            self.host_store_policy,
+            ", ".join(HOST_STORE_POLICIES),
+        )
 
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism and prefill/decode disaggregation role."""
+    """Tensor parallelism and prefill/decode disaggregation role.
+
+    ``dist_init_addr`` (``host:port``) is where the ranks rendezvous (None: a free local port);
+    ``nnodes`` and ``node_rank`` let the ranks span hosts. ``enable_flashinfer_allreduce_fusion``
+    fuses the row-parallel all-reduce, residual add and next RMSNorm (CUDA, TP > 1).
+    """
 
     tensor_parallel_size: int = 1
     splitwise_role: str = "mixed"
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    enable_flashinfer_allreduce_fusion: bool = False
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_int("nnodes", self.nnodes)
+        check_int("node_rank", self.node_rank, minimum=0)
+        check(self.node_rank < self.nnodes, "node_rank", self.node_rank, f"< nnodes={self.nnodes}")
+        check(
+            self.dist_init_addr is None
+            or (isinstance(self.dist_init_addr, str) and ":" in self.dist_init_addr),
+            "dist_init_addr",
+            self.dist_init_addr,
+            "host:port or null",
+        )
+        check(
+            isinstance(self.enable_flashinfer_allreduce_fusion, bool),
+            "enable_flashinfer_allreduce_fusion",
+            self.enable_flashinfer_allreduce_fusion,
+            "true or false",
+        )
         check(
             self.splitwise_role in SPLITWISE_ROLES,
             "splitwise_role",
             self.splitwise_role,
             ", ".join(SPLITWISE_ROLES),
         )
+
+
+@dataclass
+class SplitwiseConfig:
+    """Prefill/decode disaggregation (``docs/pd-disaggregation.md``, shared docs); read only
+    when ``splitwise_role`` is ``prefill`` or ``decode``.
+
+    Attributes:
+        pd_comm_port: TCP port of this node's control side channel (None: a free port).
+        pd_host: the address this node advertises to its peers (side channel and transport).
+        cache_transfer_protocol: ``auto`` (NIXL when it imports, else tcp), ``nixl`` or ``tcp``.
+        pd_lease_s: seconds a prefill node holds a finished request's blocks unclaimed (and how
+            far a heartbeat extends them).
+        kv_load_failure_policy: on the decode node, ``fail`` (a 5xx) or ``recompute`` (prefill
+            the request locally, eagerly) when a KV transfer fails.
+        pd_decode_wait_timeout: seconds a decode-leg request may wait for free blocks before it
+            gets a 503.
+        pd_transfer_timeout: seconds one claimed transfer may take.
+    """
+
+    pd_comm_port: int | None = None
+    pd_host: str = "127.0.0.1"
+    cache_transfer_protocol: str = "auto"
+    pd_lease_s: float = 30.0
+    kv_load_failure_policy: str = "fail"
+    pd_decode_wait_timeout: float = 30.0
+    pd_transfer_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        check(
+            self.pd_comm_port is None
+            or (isinstance(self.pd_comm_port, int) and 0 < self.pd_comm_port < 65536),
+            "pd_comm_port",
+            self.pd_comm_port,
+            "a TCP port in 1..65535 or null",
+        )
+        check(
+            isinstance(self.pd_host, str) and self.pd_host != "",
+            "pd_host",
+            self.pd_host,
+            "a host name or address",
+        )
+        check(
+            self.cache_transfer_protocol in CACHE_TRANSFER_PROTOCOLS,
+            "cache_transfer_protocol",
+            self.cache_transfer_protocol,
+            ", ".join(CACHE_TRANSFER_PROTOCOLS),
+        )
+        check(
+            self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES,
+            "kv_load_failure_policy",
+            self.kv_load_failure_policy,
+            ", ".join(KV_LOAD_FAILURE_POLICIES),
+        )
+        for name in ("pd_lease_s", "pd_decode_wait_timeout", "pd_transfer_timeout"):
+            value = getattr(self, name)
+            check(is_number(value) and value > 0, name, value, "seconds > 0")
 
 
 @dataclass
@@ -305,6 +411,7 @@ class FDConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    splitwise_config: SplitwiseConfig = field(default_factory=SplitwiseConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)

@@ -16,10 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
 from fastdeploy.config import (
+    CACHE_TRANSFER_PROTOCOLS,
     DEVICES,
     DTYPES,
+    HOST_STORE_POLICIES,
+    KV_LOAD_FAILURE_POLICIES,
     LOAD_FORMATS,
     SPLITWISE_ROLES,
+    SWAP_IN_MODES,
     CacheConfig,
     DeviceConfig,
     FDConfig,
@@ -28,6 +32,7 @@ from fastdeploy.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SplitwiseConfig,
     check,
     unknown_key_error,
 )
@@ -126,7 +131,72 @@ class EngineArgs:
     swap_space: float = field(
         default=0, metadata=_cli("host (CPU) KV cache tier in GiB; 0: none", float)
     )
+    swap_in_mode: str = field(
+        default="request",
+        metadata=_cli(
+            "how host KV hits come back: per request before its first step, or per layer "
+            "inside the forward (turns prefill graphs off)",
+            str,
+            SWAP_IN_MODES,
+        ),
+    )
+    host_store_policy: str = field(
+        default="prompt",
+        metadata=_cli(
+            "which full blocks are written through to the host tier", str, HOST_STORE_POLICIES
+        ),
+    )
     tensor_parallel_size: int = field(default=1, metadata=_cli("tensor parallel ranks", int))
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=_cli(
+            "host:port where tensor parallel ranks meet (default: a free local port)", str
+        ),
+    )
+    nnodes: int = field(default=1, metadata=_cli("hosts the tensor parallel ranks span", int))
+    node_rank: int = field(default=0, metadata=_cli("this host's index among --nnodes", int))
+    enable_flashinfer_allreduce_fusion: bool = field(
+        default=False,
+        metadata=_cli("fuse all-reduce + residual add + RMSNorm with flashinfer (CUDA, TP > 1)"),
+    )
+    pd_comm_port: int | None = field(
+        default=None,
+        metadata=_cli(
+            "port of the prefill/decode control side channel (default: a free port)", int
+        ),
+    )
+    pd_host: str = field(
+        default="127.0.0.1",
+        metadata=_cli("address this prefill/decode node advertises to its peers", str),
+    )
+    cache_transfer_protocol: str = field(
+        default="auto",
+        metadata=_cli(
+            "KV transport between prefill and decode nodes (auto: nixl when installed, else tcp)",
+            str,
+            CACHE_TRANSFER_PROTOCOLS,
+        ),
+    )
+    pd_lease_s: float = field(
+        default=30.0,
+        metadata=_cli("seconds a prefill node holds unclaimed KV blocks for a decode node", float),
+    )
+    kv_load_failure_policy: str = field(
+        default="fail",
+        metadata=_cli(
+            "on a failed KV transfer, the decode node answers 5xx (fail) or prefills itself "
+            "(recompute)",
+            str,
+            KV_LOAD_FAILURE_POLICIES,
+        ),
+    )
+    pd_decode_wait_timeout: float = field(
+        default=30.0,
+        metadata=_cli("seconds a decode-leg request waits for KV blocks before a 503", float),
+    )
+    pd_transfer_timeout: float = field(
+        default=30.0, metadata=_cli("seconds one claimed KV transfer may take", float)
+    )
     device: str = field(default="auto", metadata=_cli("device to run on", str, DEVICES))
     attention_backend: str | None = field(
         default=None,
@@ -270,10 +340,25 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching,
+            swap_in_mode=self.swap_in_mode,
+            host_store_policy=self.host_store_policy,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             splitwise_role=self.splitwise_role,
+            dist_init_addr=self.dist_init_addr,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            enable_flashinfer_allreduce_fusion=self.enable_flashinfer_allreduce_fusion,
+        )
+        splitwise_config = SplitwiseConfig(
+            pd_comm_port=self.pd_comm_port,
+            pd_host=self.pd_host,
+            cache_transfer_protocol=self.cache_transfer_protocol,
+            pd_lease_s=self.pd_lease_s,
+            kv_load_failure_policy=self.kv_load_failure_policy,
+            pd_decode_wait_timeout=self.pd_decode_wait_timeout,
+            pd_transfer_timeout=self.pd_transfer_timeout,
         )
         graph_opt_config = GraphOptimizationConfig.from_value(self.graph_optimization_config)
         device = self.resolve_device()
@@ -290,6 +375,7 @@ class EngineArgs:
             model_config=dataclasses.replace(model_config, max_model_len=max_model_len),
             cache_config=cache_config,
             parallel_config=parallel_config,
+            splitwise_config=splitwise_config,
             scheduler_config=dataclasses.replace(
                 scheduler_config,
                 max_num_batched_tokens=self.resolve_max_num_batched_tokens(max_model_len),
