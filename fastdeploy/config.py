@@ -436,8 +436,12 @@ class FDConfig:
         """
         problems = []
         role = self.parallel_config.splitwise_role
-        if role != "mixed":
-            problems.append(f"splitwise_role={role!r} is not supported yet; allowed: 'mixed'")
+        if role != "mixed" and self.parallel_config.tensor_parallel_size > 1:
+            problems.append(
+                f"splitwise_role={role!r} with tensor_parallel_size="
+                f"{self.parallel_config.tensor_parallel_size} is not supported yet; allowed: "
+                "tensor_parallel_size=1 on prefill and decode nodes"
+            )
         swap = self.cache_config.swap_space
         if swap > 0:
             problems.append(

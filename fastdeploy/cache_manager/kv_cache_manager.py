@@ -213,7 +213,20 @@ class KVCacheManager:
         Blocks go back to the pool, or, when cached, become evictable (tail blocks first, so they
         are evicted before the head blocks). Token counters are left to the caller.
         """
-        for block_id in reversed(request.block_ids):
+        self.release_blocks(request.block_ids)
+        request.block_ids = []
+        self._block_hashes.pop(request.request_id, None)
+        self._num_offered_blocks.pop(request.request_id, None)
+
+    def hold_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block, for a holder other than a request (a prefill
+        node's pending send); :meth:`release_blocks` gives it back."""
+        self.block_pool.incref(list(block_ids))
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, last block first: a block goes back to the pool, or,
+        when cached and now unused, becomes evictable (tail blocks before head blocks)."""
+        for block_id in reversed(block_ids):
             self.block_pool.free([block_id])
             if (
                 self.prefix_cache is not None
@@ -221,9 +234,6 @@ class KVCacheManager:
                 and self.block_pool.ref_count(block_id) == 1
             ):
                 self.prefix_cache.release(block_id)
-        request.block_ids = []
-        self._block_hashes.pop(request.request_id, None)
-        self._num_offered_blocks.pop(request.request_id, None)
 
     def check_integrity(self, held_block_ids: Iterable[Sequence[int]] | None = None) -> None:
         """Check the pool, the prefix cache and their agreement.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -16,6 +17,11 @@ class EngineOutput:
     ``new_text`` is the text this step adds to the output, already cut at a stop string and
     without the text that could still be the start of one (held back until known): the engine's
     stop checker owns detokenisation, so front ends only concatenate. Empty without a tokenizer.
+
+    ``kv_transfer_params`` is set on the last output of a prefill-leg request of a PD deployment
+    (where its KV waits; vLLM's field). ``error`` ends a request with a failure the client must
+    see (``core.errors.KVTransferError``, ``KVWaitTimeoutError``); such an output is finished
+    with reason ``abort`` and carries no token.
     """
 
     request_id: str
@@ -27,3 +33,5 @@ class EngineOutput:
     num_cached_tokens: int = 0
     new_text: str = ""
     stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: BaseException | None = None

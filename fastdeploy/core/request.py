@@ -82,9 +82,14 @@ def check_sampling(params: SamplingParams, vocab_size: int, has_tokenizer: bool)
 
 
 class RequestStatus(enum.Enum):
-    """Lifecycle of a request. ``WAITING`` includes requests preempted by recompute."""
+    """Lifecycle of a request. ``WAITING`` includes requests preempted by recompute.
+
+    ``WAITING_FOR_REMOTE_KV``: a decode-leg request of a PD deployment that holds its KV blocks
+    while its prompt's KV is pulled from the prefill node; it is never scheduled in that state.
+    """
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # eos, stop string or stop token
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
@@ -111,6 +116,11 @@ class Request:
     Runtime state set by the engine, which survives preemption with the request:
     ``eos_token_ids`` (the model's eos ids) and ``detokenizer`` (its incremental detokenizer,
     an ``engine.detokenizer.IncrementalDetokenizer`` or None without a tokenizer).
+
+    Prefill/decode disaggregation: ``remote_decode`` marks a prefill-leg request (its blocks are
+    held for a decode node when it finishes); ``remote_prefill`` is, on a decode node, where the
+    prompt's KV waits (a ``splitwise.protocol.RemotePrefill``), None once it was pulled or when
+    the request is served locally.
     """
 
     request_id: str
@@ -129,6 +139,8 @@ class Request:
     stop_reason: str | int | None = None
     eos_token_ids: frozenset[int] = frozenset()
     detokenizer: Any = field(default=None, repr=False)
+    remote_decode: bool = False
+    remote_prefill: Any = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,6 +64,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,16 @@ class StopLoop:
     """Leave the engine loop."""
 
 
-Command = AddRequest | AbortRequest | StopLoop
+@dataclass(frozen=True)
+class Wake:
+    """Step again now: background work ended (a PD pull finished)."""
+
+
+Command = AddRequest | AbortRequest | StopLoop | Wake
+
+#: Seconds the loop waits for a command when it has nothing to step, or when its last step found
+#: nothing to run while PD work (pulls, pending sends) goes on in the background.
+IDLE_WAIT_S = 0.5
 
 
 @dataclass
@@ -222,9 +232,11 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         prompt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream. Checks run here, synchronously, so the caller
-        can answer with an HTTP error before any response starts.
+        can answer with an HTTP error before any response starts. ``kv_transfer_params`` makes
+        it a leg of a PD request (see ``LLMEngine.add_request``).
 
         Raises:
             ValueError: what ``engine.check_request`` raises (empty prompt, prompt not shorter
@@ -236,7 +248,10 @@ class AsyncLLMEngine:
         if self._dead is not None or self._thread is None:
             raise EngineDeadError(str(self._dead or "the engine loop is not running"))
         # pure: safe off the engine thread
-        self.engine.check_request(prompt_token_ids, sampling_params)
+        if kv_transfer_params is None:
+            self.engine.check_request(prompt_token_ids, sampling_params)
+        else:
+            self.engine.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
@@ -244,7 +259,9 @@ class AsyncLLMEngine:
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
         out_queue: asyncio.Queue = asyncio.Queue()
         self._tracked[request_id] = _Tracked(out_queue, len(prompt_token_ids), time.monotonic())
-        self._commands.put(AddRequest(request_id, list(prompt_token_ids), sampling_params))
+        self._commands.put(
+            AddRequest(request_id, list(prompt_token_ids), sampling_params, kv_transfer_params)
+        )
         return RequestStream(self, request_id, out_queue)
 
     async def generate(
@@ -290,16 +307,23 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         """The engine loop: drain commands, step while there is work, post outputs."""
+        engine = self.engine
+        background = getattr(engine, "has_background_work", lambda: False)
+        set_wakeup = getattr(engine, "set_wakeup", None)
+        if set_wakeup is not None:
+            set_wakeup(lambda: self._commands.put(Wake()))
         try:
-            self._post(self._on_stats, self.engine.get_stats())
+            self._post(self._on_stats, engine.get_stats())
             while True:
-                idle = not self.engine.has_unfinished_requests()
-                if not self._drain(block=idle):
+                busy = engine.has_unfinished_requests() and not getattr(
+                    engine, "last_step_idle", False
+                )
+                if not self._drain(block=not busy):
                     return
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                if engine.has_unfinished_requests() or background():
+                    outputs = engine.step()
                     now = time.monotonic()
-                    self._post(self._on_step, outputs, self.engine.get_stats(), now)
+                    self._post(self._on_step, outputs, engine.get_stats(), now)
         except BaseException as e:  # noqa: BLE001 - report any failure to the waiting clients
             logger.exception("engine loop failed")
             self._post(self._on_dead, e)
@@ -310,21 +334,31 @@ class AsyncLLMEngine:
         while True:
             try:
                 cmd: Command = (
-                    self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                    self._commands.get(timeout=IDLE_WAIT_S)
+                    if block
+                    else self._commands.get_nowait()
                 )
             except queue.Empty:
-                if block:
-                    continue
-                break
+                break  # idle: let the loop check background work, then wait again
             block = False
             if isinstance(cmd, StopLoop):
                 return False
+            if isinstance(cmd, Wake):
+                continue
             changed = True
             if isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.sampling_params
-                    )
+                    if cmd.kv_transfer_params is None:
+                        self.engine.add_request(
+                            cmd.request_id, cmd.prompt_token_ids, cmd.sampling_params
+                        )
+                    else:
+                        self.engine.add_request(
+                            cmd.request_id,
+                            cmd.prompt_token_ids,
+                            cmd.sampling_params,
+                            cmd.kv_transfer_params,
+                        )
                 except ValueError as e:
                     self._post(self._fail, cmd.request_id, e)
             elif isinstance(cmd, AbortRequest):
@@ -351,6 +385,11 @@ class AsyncLLMEngine:
         # Aborted requests may still produce tokens in the steps before the engine thread sees
         # their abort command.
         outputs = [o for o in outputs if o.request_id in self._tracked]
+        failed = [o for o in outputs if o.error is not None]
+        for o in failed:
+            self._fail(o.request_id, o.error)
+        if failed:
+            outputs = [o for o in outputs if o.error is None]
         if not outputs:
             return
         try:

@@ -16,14 +16,15 @@ resumed, never aborted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import Request, check_prompt, check_sampling
+from fastdeploy.core.request import Request, RequestStatus, check_prompt, check_sampling
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 
@@ -107,6 +108,33 @@ class LLMEngine:
             self.config.scheduler_config, self.kv_cache_manager, self.max_model_len
         )
         self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
+        self.kv_layout = self._kv_layout()
+        self.pd = None
+        self._remote_deadlines: dict[str, float] = {}
+        self.last_step_idle = False
+        if config.parallel_config.splitwise_role != "mixed":
+            from fastdeploy.splitwise.roles import make_role
+
+            self.pd = make_role(
+                config, self.worker.runner.kv_caches, self.kv_layout, cache.block_size
+            )
+
+    def _kv_layout(self) -> dict:
+        """This engine's KV layout fingerprint (PD peers must agree on every field)."""
+        import os
+
+        from fastdeploy.splitwise.protocol import kv_layout
+
+        kv = self.worker.runner.kv_caches
+        return kv_layout(
+            model=os.path.basename(str(self.source.path)),
+            dtype=str(kv[0].dtype).removeprefix("torch."),
+            num_layers=len(kv),
+            num_kv_heads=self.worker.num_kv_heads,
+            head_dim=self.worker.head_dim,
+            block_size=self.config.cache_config.block_size,
+            tp_size=self.config.parallel_config.tensor_parallel_size,
+        )
 
     def _log_kv_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -152,9 +180,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def check_request(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
-    ) -> None:
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> Any:
         """Admission check of a request, the one every front end calls before queuing.
+
+        Returns what ``kv_transfer_params`` asks for: None (a plain request), True (a prefill
+        leg) or the decode leg's ``RemotePrefill``.
 
         Pure: it reads only what start-up fixed (``max_model_len``, the vocabulary size, whether
         there is a tokenizer), so it is safe to call from another thread than the one that steps
@@ -162,7 +196,9 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
-                ``logit_bias`` id outside it, or stop strings without a tokenizer.
+                ``logit_bias`` id outside it, stop strings without a tokenizer, or
+                ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
+                prompt length that differs from the prefill node's).
             PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
                 output token; the message names both lengths, and the KV pool when that is what
                 bounds ``max_model_len``).
@@ -170,31 +206,193 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, self.max_model_len_note)
         if sampling_params is not None:
             check_sampling(sampling_params, self.vocab_size, self.tokenizer is not None)
+        if kv_transfer_params is None:
+            return None
+        from fastdeploy.splitwise.roles import check_kv_transfer_params
+
+        leg = check_kv_transfer_params(
+            self.config.parallel_config.splitwise_role, kv_transfer_params, self.kv_layout
+        )
+        if leg not in (None, True):
+            n = len(prompt_token_ids)
+            if leg.num_prompt_tokens != n:
+                raise ValueError(
+                    f"kv_transfer_params.num_prompt_tokens={leg.num_prompt_tokens} is invalid; "
+                    f"allowed: this request's {n} prompt tokens (same prompt on both legs)"
+                )
+            if len(leg.remote_block_ids) != -(-n // self.config.cache_config.block_size):
+                raise ValueError(
+                    f"kv_transfer_params.remote_block_ids has {len(leg.remote_block_ids)} "
+                    f"blocks; allowed: the {n} prompt tokens' blocks"
+                )
+        return leg
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> Request:
         """Queue a request.
+
+        ``kv_transfer_params`` (vLLM's field) makes it a leg of a PD request: on a prefill node
+        ``{"do_remote_decode": true}`` (it samples one token, then its blocks wait for the decode
+        node and its last output carries where they are); on a decode node the prefill node's
+        answer (its KV is pulled, its first token is the prefill node's).
 
         Raises:
             ValueError: what :meth:`check_request` raises, or a duplicate id.
         """
-        self.check_request(prompt_token_ids, sampling_params)
+        leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if leg is True:  # the prefill node samples the first token only
+            sampling_params = dataclasses.replace(
+                sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1)
+            )
         request = Request(
             request_id, list(prompt_token_ids), sampling_params, eos_token_ids=self.eos_token_ids
         )
+        if leg is True:
+            request.remote_decode = True
+        elif leg is not None:
+            request.remote_prefill = leg
+            wait_s = self.config.splitwise_config.pd_decode_wait_timeout
+            self._remote_deadlines[request_id] = time.monotonic() + wait_s
         self.stop_checker.start(request)
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a waiting or running request and free its KV blocks; False if unknown."""
-        return self.scheduler.abort_request(request_id)
+        """Abort a waiting or running request and free its KV blocks; False if unknown.
+
+        A decode-leg request whose KV is being pulled keeps its blocks until the pull has
+        stopped writing (then they are freed); the prefill node is told to free its copy.
+        """
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            return False
+        remote = request.remote_prefill
+        pulling = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        self.scheduler.abort_request(request_id)
+        self._remote_deadlines.pop(request_id, None)
+        if pulling:
+            self.pd.cancel(request_id)  # the loader sends ABORT once the pull stopped
+        elif remote is not None:
+            self.pd.abort_remote(remote)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_background_work(self) -> bool:
+        """True while PD bookkeeping needs steps even without requests: blocks held for decode
+        nodes (lease expiry), pulls in flight, or aborted pulls whose blocks wait."""
+        pd = self.pd
+        if pd is None:
+            return False
+        return bool(
+            getattr(pd, "has_pending", False)
+            or getattr(pd, "in_flight", 0)
+            or self.scheduler.num_cancelled_loads
+        )
+
+    def set_wakeup(self, wakeup) -> None:
+        """Call ``wakeup()`` from another thread when background work ends (a pull finished),
+        so a loop idling between steps steps again at once."""
+        if self.pd is not None and hasattr(self.pd, "set_wakeup"):
+            self.pd.set_wakeup(wakeup)
+
+    def check_integrity(self) -> None:
+        """The scheduler's integrity check, counting blocks held for decode nodes.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        held = self.pd.held_block_tables() if hasattr(self.pd, "held_block_tables") else []
+        self.scheduler.check_integrity(held)
+
+    # ------------------------------------------------------------ PD bookkeeping
+    def _pd_step(self, now: float) -> list[EngineOutput]:
+        """Free what decode nodes released; start, finish or fail pulls; time out waits."""
+        from fastdeploy.splitwise.roles import PrefillRole
+
+        pd = self.pd
+        if isinstance(pd, PrefillRole):
+            for _rid, blocks, _reason in pd.take_freed():
+                self.kv_cache_manager.release_blocks(blocks)
+            return []
+        outputs: list[EngineOutput] = []
+        for result in pd.poll():
+            rid = result.request_id
+            if self.scheduler.release_cancelled(rid):
+                continue
+            request = self.scheduler.get_request(rid)
+            if request is None or request.remote_prefill is None:
+                continue
+            remote = request.remote_prefill
+            if result.error is None:
+                self.scheduler.remote_kv_loaded(rid, remote.first_token_id)
+                logprobs = remote.first_token_logprobs
+                if logprobs is not None and request.sampling_params.logprobs is not None:
+                    request.output_logprobs.extend(logprobs)
+                else:
+                    logprobs = None
+                outputs.append(self._token_output(request, remote.first_token_id, logprobs, now))
+                continue
+            logger.warning("request %s: KV transfer failed: %s", rid, result.error)
+            if pd.failure_policy == "recompute":
+                self.scheduler.remote_kv_failed(rid, recompute=True)
+                continue
+            from fastdeploy.core.errors import KVTransferError
+
+            self.scheduler.remote_kv_failed(rid, recompute=False)
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            error = KVTransferError(f"PD transfer failed for request {rid}: {result.error}")
+            outputs.append(self._error_output(request, error))
+        for rid, deadline in list(self._remote_deadlines.items()):
+            request = self.scheduler.get_request(rid)
+            if request is None or request.status != RequestStatus.WAITING:
+                del self._remote_deadlines[rid]
+            elif now > deadline:
+                from fastdeploy.core.errors import KVWaitTimeoutError
+
+                del self._remote_deadlines[rid]
+                self.abort_request(rid)
+                wait_s = self.config.splitwise_config.pd_decode_wait_timeout
+                error = KVWaitTimeoutError(
+                    f"request {rid} waited {wait_s:g} s (pd_decode_wait_timeout) for free KV "
+                    "blocks on this decode node; retry later or add decode capacity"
+                )
+                outputs.append(self._error_output(request, error))
+        pd.set_waiting(
+            [r.remote_prefill for r in self.scheduler.waiting if r.remote_prefill is not None]
+        )
+        return outputs
+
+    def _start_pulls(self) -> None:
+        """Start the pulls of the decode-leg requests the scheduler just gave blocks."""
+        for request in self.scheduler.take_new_remote_loads():
+            self.pd.start(
+                request.request_id,
+                request.remote_prefill,
+                request.block_ids,
+                request.num_cached_tokens,
+            )
+
+    @staticmethod
+    def _error_output(request: Request, error: BaseException) -> EngineOutput:
+        return EngineOutput(
+            request.request_id,
+            [],
+            None,
+            True,
+            RequestStatus.FINISHED_ABORTED.value,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+            error=error,
+        )
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
@@ -203,14 +401,17 @@ class LLMEngine:
         A request the :class:`~fastdeploy.engine.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns.
         """
+        outputs = self._pd_step(time.monotonic()) if self.pd is not None else []
         sched = self.scheduler.schedule()
+        if self.pd is not None:
+            self._start_pulls()
         # Also when empty: the runner frees the sampling state of finished requests.
         sampled = self.worker.execute_model(sched)
+        self.last_step_idle = sched.is_empty and not outputs
         if sched.is_empty:
-            return []
+            return outputs
         self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         now = time.monotonic()
-        outputs = []
         for rid, tok in sampled.items():
             request = self.scheduler.get_request(rid)
             if request is None:  # aborted since it was scheduled
@@ -221,42 +422,69 @@ class LLMEngine:
                 top = (tok.top_logprobs or [])[:k]
                 logprobs = [{"token_id": tok.token_id, "logprob": tok.logprob, "top_logprobs": top}]
                 request.output_logprobs.extend(logprobs)
-            status = self.stop_checker.check(request, tok.token_id)
-            finished = status is not None
-            if finished:
-                request.finish_time = now
-                self.scheduler.finish_request(request, status)
-            detok = request.detokenizer
-            outputs.append(
-                EngineOutput(
-                    rid,
-                    [tok.token_id],
-                    logprobs,
-                    finished,
-                    status.value if finished else None,
-                    request.num_prompt_tokens,
-                    request.num_cached_tokens,
-                    new_text=detok.take_delta(finished) if detok is not None else "",
-                    stop_reason=request.stop_reason if finished else None,
-                )
-            )
+            outputs.append(self._token_output(request, tok.token_id, logprobs, now))
         return outputs
+
+    def _token_output(
+        self, request: Request, token_id: int, logprobs: list[dict] | None, now: float
+    ) -> EngineOutput:
+        """Stop-check a request's new (already appended) token and build its output; a request
+        that ends is finished in the scheduler (a prefill leg's blocks are held first)."""
+        status = self.stop_checker.check(request, token_id)
+        finished = status is not None
+        kv_params = None
+        if finished:
+            request.finish_time = now
+            if request.remote_decode:
+                kv_params = self._hold_for_decode(request, token_id, logprobs)
+            self.scheduler.finish_request(request, status)
+        detok = request.detokenizer
+        return EngineOutput(
+            request.request_id,
+            [token_id],
+            logprobs,
+            finished,
+            status.value if finished else None,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+            new_text=detok.take_delta(finished) if detok is not None else "",
+            stop_reason=request.stop_reason if finished else None,
+            kv_transfer_params=kv_params,
+        )
+
+    def _hold_for_decode(self, request: Request, token_id: int, logprobs) -> dict:
+        """Keep a finished prefill leg's prompt blocks for the decode node (one more reference
+        each, dropped on DONE, ABORT or lease expiry); returns its ``kv_transfer_params``."""
+        n = self.kv_cache_manager.num_blocks_for(request.num_prompt_tokens)
+        blocks = list(request.block_ids[:n])
+        self.kv_cache_manager.hold_blocks(blocks)
+        return self.pd.hold(
+            request.request_id, blocks, request.num_prompt_tokens, token_id, logprobs
+        )
 
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode."""
         runner = self.worker.runner
-        return {
+        stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_waiting_for_remote_kv": self.scheduler.num_waiting_for_remote_kv,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_total_blocks": self.kv_cache_manager.num_usable_blocks,
             "steps_by_mode": dict(runner.steps_by_mode),
             "num_padded_tokens": runner.num_padded_tokens,
         }
+        if self.pd is not None:
+            stats["pd"] = self.pd.stats()
+        return stats
 
     def shutdown(self) -> None:
         """Release the model, KV cache and graphs (an engine can be created again afterwards)."""
+        pd = getattr(self, "pd", None)
+        if pd is not None:
+            pd.close()
+            self.pd = None
         worker = getattr(self, "worker", None)
         if worker is not None and worker.runner is not None:
             if worker.runner.graph_runner is not None:

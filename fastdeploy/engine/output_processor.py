@@ -32,7 +32,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step."""
+    """The state of one request after a step. ``kv_transfer_params`` is set on the finished
+    output of a PD prefill leg (where its KV waits for the decode node)."""
 
     request_id: str
     prompt: str | None
@@ -40,6 +41,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
 
 class OutputProcessor:
@@ -84,6 +86,8 @@ class OutputProcessor:
             comp.finish_reason = eo.finish_reason
             comp.stop_reason = eo.stop_reason
             out.num_cached_tokens = eo.num_cached_tokens
+            if eo.kv_transfer_params is not None:
+                out.kv_transfer_params = eo.kv_transfer_params
             out.finished = eo.finished
             results.append(out)
             if eo.finished:

@@ -17,6 +17,13 @@ Memory policy:
     running request is preempted: its blocks are freed (full blocks may survive in the prefix
     cache), its counters reset, and it goes to the FRONT of the waiting queue. On re-admission it
     re-prefills its prompt plus the tokens it had generated (no swapping to host memory).
+  * Prefill/decode disaggregation, decode node: a waiting request whose prompt KV lives on a
+    prefill node (``request.remote_prefill``) is admitted, FIFO like the others, by allocating
+    blocks for its whole prompt (after its own prefix-cache lookup) without spending step budget;
+    it then waits in ``WAITING_FOR_REMOTE_KV``, holding its blocks and never scheduled, until the
+    engine reports the pull done (:meth:`remote_kv_loaded`: it runs from its first decode step)
+    or failed (:meth:`remote_kv_failed`). Aborting it while the pull may still write parks its
+    blocks (:meth:`release_cancelled` frees them once the pull ended).
   * A request alone in the pool always fits when ``max_model_len`` is at most the pool's tokens,
     which the engine guarantees at start-up (``fit_max_model_len`` in
     :mod:`fastdeploy.cache_manager.kv_cache_manager`): a prompt that could never fit is refused
@@ -99,6 +106,12 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._unreported_preempted: list[Request] = []  # preempted by a call that raised
+        # Decode node of a PD deployment: requests holding blocks while their KV is pulled,
+        # those admitted to that state since the last take_new_remote_loads(), and aborted ones
+        # whose blocks wait for the pull to end.
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        self._new_remote_loads: list[Request] = []
+        self._cancelled_loads: dict[str, Request] = {}
 
     @property
     def num_running(self) -> int:
@@ -110,9 +123,14 @@ class Scheduler:
         """Requests queued for admission, preempted ones included."""
         return len(self.waiting)
 
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        """Decode-leg requests holding blocks while their KV is pulled."""
+        return len(self.waiting_for_remote_kv)
+
     def has_unfinished_requests(self) -> bool:
-        """True while a request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while a request is waiting, running or waiting for its remote KV."""
+        return bool(self.waiting or self.running or self.waiting_for_remote_kv)
 
     def get_request(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, or ``None``."""
@@ -149,8 +167,73 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return False
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            # A pull may still write its blocks: park them until release_cancelled().
+            del self.waiting_for_remote_kv[request_id]
+            self._cancelled_loads[request_id] = request
+            del self._requests[request_id]
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finish_time = time.monotonic()
+            self._finished_ids.append(request_id)
+            return True
         self._remove(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    # ------------------------------------------------------------ PD decode node
+    def take_new_remote_loads(self) -> list[Request]:
+        """Requests that entered ``WAITING_FOR_REMOTE_KV`` since the last call (the engine
+        starts their pulls)."""
+        loads, self._new_remote_loads = self._new_remote_loads, []
+        return [r for r in loads if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
+
+    def remote_kv_loaded(self, request_id: str, first_token_id: int) -> Request | None:
+        """The prompt's KV landed: the prompt counts as computed (its full blocks are cached),
+        the prefill node's first token is appended, and the request runs from its next step.
+        Returns the request, or None when it is no longer waiting (aborted meanwhile)."""
+        request = self.waiting_for_remote_kv.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.output_token_ids.append(first_token_id)
+        request.first_token_time = time.monotonic()
+        request.remote_prefill = None
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def remote_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
+        """The pull failed. With ``recompute`` the request drops its blocks (none were cached)
+        and goes to the front of the waiting queue as a local request (it prefills here);
+        otherwise it stays out of every queue for the engine to finish. Returns the request, or
+        None when it is no longer waiting."""
+        request = self.waiting_for_remote_kv.pop(request_id, None)
+        if request is None:
+            return None
+        if recompute:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_cached_tokens = 0
+            request.remote_prefill = None
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        else:
+            self.running.append(request)  # so that finish_request() removes it as usual
+            request.status = RequestStatus.RUNNING
+        return request
+
+    def release_cancelled(self, request_id: str) -> bool:
+        """The pull of an aborted request ended: free its parked blocks. False if unknown."""
+        request = self._cancelled_loads.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache_manager.free(request)
+        return True
+
+    @property
+    def num_cancelled_loads(self) -> int:
+        """Aborted decode-leg requests whose blocks wait for their pull to end."""
+        return len(self._cancelled_loads)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """The engine decided ``request`` stopped: free its blocks and set ``status``.
@@ -253,14 +336,18 @@ class Scheduler:
                 got_token.append(request)
         return got_token
 
-    def check_integrity(self) -> None:
-        """Check the KV cache manager, and that running requests hold exactly the used blocks
-        that the prefix cache does not; waiting requests hold none.
+    def check_integrity(self, other_holders: list[list[int]] | None = None) -> None:
+        """Check the KV cache manager, and that running requests, requests waiting for remote KV,
+        parked cancelled loads and ``other_holders`` (a prefill node's pending sends) hold
+        exactly the used blocks that the prefix cache does not; waiting requests hold none.
 
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        self.kv_cache_manager.check_integrity([r.block_ids for r in self.running])
+        held = [r.block_ids for r in self.running]
+        held += [r.block_ids for r in self.waiting_for_remote_kv.values()]
+        held += [r.block_ids for r in self._cancelled_loads.values()]
+        self.kv_cache_manager.check_integrity(held + list(other_holders or []))
         if len(self.running) > self.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}")
         for r in self.waiting:
@@ -272,7 +359,13 @@ class Scheduler:
                 raise AssertionError(f"running request {r.request_id!r} has status {r.status}")
             if len(r.block_ids) * block_size < r.num_computed_tokens:
                 raise AssertionError(f"request {r.request_id!r}: blocks do not cover its KV")
+        for r in self.waiting_for_remote_kv.values():
+            if r.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                raise AssertionError(f"request {r.request_id!r} waits for KV with {r.status}")
+            if len(r.block_ids) * block_size < r.num_prompt_tokens:
+                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its prompt")
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        ids += list(self.waiting_for_remote_kv)
         if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
             raise AssertionError("waiting + running differ from the known unfinished requests")
 
@@ -315,9 +408,22 @@ class Scheduler:
         """Admit waiting requests FIFO within ``budget`` tokens, ``max_num_seqs`` and the blocks."""
         kv = self.kv_cache_manager
         admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.waiting_for_remote_kv) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             kv.get_computed_blocks(request)  # sets num_cached_tokens and num_computed_tokens
+            if request.remote_prefill is not None:  # PD decode node: blocks now, KV pulled
+                if not kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens):
+                    self._undo_admission(request)
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_remote_kv[request.request_id] = request
+                self._new_remote_loads.append(request)
+                continue
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill and budget < self.max_num_batched_tokens:

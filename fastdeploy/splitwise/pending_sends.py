@@ -109,6 +109,10 @@ class PendingSends:
         """Block references held (for the integrity check and the metrics)."""
         return sum(len(e.block_ids) for e in self._entries.values())
 
+    def block_tables(self) -> list[list[int]]:
+        """Each entry's block list (for the integrity check)."""
+        return [list(e.block_ids) for e in self._entries.values()]
+
     def __len__(self) -> int:
         return len(self._entries)
 

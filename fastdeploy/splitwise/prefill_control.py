@@ -58,6 +58,17 @@ class PrefillControl:
         with self._lock:
             return self._table.num_blocks
 
+    def block_tables(self) -> list[list[int]]:
+        """The block list of every pending entry (for the integrity check)."""
+        with self._lock:
+            return self._table.block_tables()
+
+    @property
+    def has_work(self) -> bool:
+        """Entries pending, or released ones the engine thread has not freed yet."""
+        with self._lock:
+            return bool(len(self._table) or self._freed)
+
     @property
     def num_pending(self) -> int:
         with self._lock:

@@ -59,6 +59,8 @@ class RemotePrefill:
         lease_s: seconds the blocks are held unclaimed.
         transport: the transport's metadata (``{"transport": "tcp" | "nixl", ...}``).
         layout: the fingerprint (:func:`kv_layout`).
+        first_token_logprobs: the first token's logprobs entry when the request asked for
+            logprobs (``[{"token_id", "logprob", "top_logprobs"}]``), else None.
     """
 
     remote_engine_id: str
@@ -71,6 +73,7 @@ class RemotePrefill:
     lease_s: float
     transport: dict[str, Any]
     layout: dict[str, Any]
+    first_token_logprobs: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,4 +119,7 @@ class RemotePrefill:
         ]
         if diff:
             raise ValueError("the prefill node's KV layout differs: " + "; ".join(diff))
-        return cls(**{k: params[k] for k in types})
+        logprobs = params.get("first_token_logprobs")
+        if logprobs is not None and not isinstance(logprobs, list):
+            raise ValueError("kv_transfer_params.first_token_logprobs must be a list or null")
+        return cls(**{k: params[k] for k in types}, first_token_logprobs=logprobs)

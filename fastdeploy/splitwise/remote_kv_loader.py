@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdeploy.splitwise.protocol import RemotePrefill
@@ -75,6 +76,8 @@ class RemoteKVLoader:
         self._transfers: dict[str, Transfer] = {}
         self._lock = threading.Lock()
         self.in_flight = 0
+        #: Called (from a transfer thread) after each result is queued, to wake the engine loop.
+        self.on_result: Callable[[], None] | None = None
 
     def submit(self, job: PullJob) -> None:
         """Start ``job`` (engine thread).
@@ -131,6 +134,9 @@ class RemoteKVLoader:
             self._results.put(
                 PullResult(job.request_id, error, num_bytes, time.monotonic() - start)
             )
+            wake = self.on_result
+            if wake is not None:
+                wake()
 
     def _claim_and_pull(self, job: PullJob) -> tuple[str | None, int]:
         if job.skip_blocks == len(job.local_block_ids):  # all cached here: nothing to read

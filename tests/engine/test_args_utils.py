@@ -205,8 +205,10 @@ def test_device_and_backend_are_resolved_before_the_policy(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"splitwise_role": "prefill"}, "splitwise_role='prefill' is not supported yet"),
-        ({"splitwise_role": "decode"}, "splitwise_role='decode' is not supported yet"),
+        (
+            {"splitwise_role": "decode", "tensor_parallel_size": 2},
+            "splitwise_role='decode' with tensor_parallel_size=2 is not supported yet",
+        ),
         ({"swap_space": 4}, "swap_space=4 is not supported yet"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
     ],
@@ -215,6 +217,8 @@ def test_check_supported(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs).create_engine_config(source(8192)).check_supported()
     EngineArgs().create_engine_config(source(8192)).check_supported()
+    for role in ("prefill", "decode"):  # PD roles run (tests/splitwise)
+        EngineArgs(splitwise_role=role).create_engine_config(source(8192)).check_supported()
 
 
 def test_unsupported_config_still_resolves_a_plan(monkeypatch):

@@ -83,7 +83,8 @@ def test_print_config_of_a_prefill_node_with_swap_space_on_cuda(capsys, monkeypa
     plan = out["graph_plan"]
     assert not plan["decode_graphs"] and not plan["prefill_graphs"]
     assert any("swap_space" in r for r in plan["reasons"])
-    assert "splitwise_role" in out["not_supported_yet"]
+    assert "swap_space" in out["not_supported_yet"]
+    assert "splitwise_role" not in out["not_supported_yet"]
     assert FDConfig.from_dict(out["config"]).parallel_config.splitwise_role == "prefill"
 
 

@@ -32,6 +32,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     sampling_params_from,
     sse,
     sse_events,
+    with_kv_transfer_params,
 )
 
 
@@ -78,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         params = sampling_params_from(req, max_tokens, logprobs)
         prompt, prompt_ids = self.render_prompt(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt, "messages")
+        stream = self.admit(request_id, prompt_ids, params, prompt, "messages", req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -106,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             ],
             usage=usage_of(len(prompt_ids), len(comp.token_ids)),
         )
-        return JSONResponse(dump(body))
+        return JSONResponse(with_kv_transfer_params(dump(body), final))
 
     def _stream(
         self,

@@ -32,6 +32,7 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     sampling_params_from,
     sse,
     sse_events,
+    with_kv_transfer_params,
 )
 
 
@@ -72,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
         prompt, prompt_ids = self.tokenize_prompt(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt")
+        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt", req)
         with_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -103,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choices=[choice],
             usage=usage_of(len(prompt_ids), len(comp.token_ids)),
         )
-        return JSONResponse(dump(body))
+        return JSONResponse(with_kv_transfer_params(dump(body), final))
 
     def _token_ids(self, token_ids: list[int]) -> dict[str, Any]:
         """``{"token_ids": [...]}`` for a choice when the server has no tokenizer, else ``{}``."""

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from fastdeploy.core.errors import KVTransferError, KVWaitTimeoutError
 from fastdeploy.core.request import PromptTooLongError
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
@@ -110,8 +111,20 @@ def api_error_from(error: BaseException, prompt_param: str | None = None) -> API
     :class:`~fastdeploy.core.request.PromptTooLongError` -> 400 ``context_length_exceeded`` on
     ``prompt_param``; another ``ValueError`` -> 400 on the field it names;
     :class:`QueueFullError` -> 429 with ``Retry-After``; :class:`EngineDeadError` -> 503;
-    anything else -> 500.
+    a failed PD KV transfer (:class:`KVTransferError`) -> 502 ``kv_transfer_failed``; a decode
+    node that found no KV blocks in time (:class:`KVWaitTimeoutError`) -> 503; anything else ->
+    500.
     """
+    if isinstance(error, KVTransferError):
+        return APIError(502, str(error), "upstream_error", code="kv_transfer_failed")
+    if isinstance(error, KVWaitTimeoutError):
+        return APIError(
+            503,
+            str(error),
+            "service_unavailable",
+            code="kv_cache_unavailable",
+            headers={"Retry-After": "1"},
+        )
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, QueueFullError):
@@ -386,11 +399,35 @@ class OpenAIServing:
         params: SamplingParams,
         prompt: str | None,
         prompt_param: str,
+        req: SamplingFields | None = None,
     ) -> RequestStream:
         """Queue the request; raises :class:`APIError` (400, 429 or 503) when refused, a prompt
         too long for ``max_model_len`` as ``context_length_exceeded`` on ``prompt_param``. (The
-        app's error handler counts every refusal in ``fastdeploy:request_rejected_total``.)"""
+        app's error handler counts every refusal in ``fastdeploy:request_rejected_total``.)
+
+        ``req``'s ``kv_transfer_params`` (vLLM's field) make the request a leg of a PD request;
+        a prefill leg (``do_remote_decode``) must not stream: its answer carries the params."""
+        kv_params = getattr(req, "kv_transfer_params", None)
+        if isinstance(kv_params, dict) and kv_params.get("do_remote_decode") is True and req.stream:
+            raise bad_request(
+                "kv_transfer_params.do_remote_decode=true is invalid with stream=true; allowed: "
+                "stream=false (the prefill leg's answer carries kv_transfer_params)",
+                "stream",
+            )
         try:
-            return self.engine.add_request(request_id, prompt_token_ids, params, prompt)
+            if kv_params is None:
+                return self.engine.add_request(request_id, prompt_token_ids, params, prompt)
+            return self.engine.add_request(
+                request_id, prompt_token_ids, params, prompt, kv_transfer_params=kv_params
+            )
         except (ValueError, QueueFullError, EngineDeadError) as e:
             raise api_error_from(e, prompt_param) from None
+
+
+def with_kv_transfer_params(body: dict[str, Any], final: Any) -> dict[str, Any]:
+    """``body`` plus the top-level ``kv_transfer_params`` of a PD prefill leg's answer (vLLM's
+    field), when ``final`` carries them."""
+    params = getattr(final, "kv_transfer_params", None)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body

@@ -1,0 +1,288 @@
+"""The engine's side of prefill/decode disaggregation: one object per role, owned by the engine
+thread (``docs/pd-disaggregation.md``, shared docs).
+
+* :class:`PrefillRole`: a finished prefill-leg request's blocks move to the pending-send table
+  (one more reference each) and its answer carries ``kv_transfer_params``; the side channel
+  answers CLAIM/HEARTBEAT/DONE/ABORT from its own threads, and the engine thread frees what they
+  released (:meth:`PrefillRole.take_freed`).
+* :class:`DecodeRole`: starts a pull per request that entered ``WAITING_FOR_REMOTE_KV``, reports
+  finished pulls, and heartbeats the prefill nodes of requests still waiting for blocks so their
+  leases do not run out.
+
+The transport (``tcp`` or ``nixl``) is registered once with the KV caches; the engine never sees
+its types.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastdeploy.config import FDConfig
+from fastdeploy.splitwise.prefill_control import PrefillControl
+from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg
+from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
+from fastdeploy.splitwise.side_channel import SideChannelError, SideChannelServer, send_control
+from fastdeploy.splitwise.transport import make_transport
+
+logger = logging.getLogger(__name__)
+
+
+def check_kv_transfer_params(role: str, params: Any, layout: dict[str, Any]) -> Any:
+    """Admission check of a request's ``kv_transfer_params`` on a node of ``role``.
+
+    Returns None (a plain request), ``True`` for a prefill leg, or the decode leg's
+    :class:`RemotePrefill`.
+
+    Raises:
+        ValueError: params that are not an object; a prefill leg sent to a node that is not a
+            prefill node; a decode leg sent to a node that is not a decode node, or whose fields
+            or layout fingerprint are wrong (the message names them).
+    """
+    if params is None or params == {}:
+        return None
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params={params!r} is invalid; allowed: an object or null")
+    if is_prefill_leg(params):
+        if role != "prefill":
+            raise ValueError(
+                f"kv_transfer_params.do_remote_decode=true is invalid on a {role} node; allowed: "
+                "only on a node started with --splitwise-role prefill"
+            )
+        return True
+    if "remote_block_ids" in params or "remote_engine_id" in params:
+        if role != "decode":
+            raise ValueError(
+                f"kv_transfer_params from a prefill node are invalid on a {role} node; allowed: "
+                "only on a node started with --splitwise-role decode"
+            )
+        return RemotePrefill.from_params(params, layout)
+    raise ValueError(
+        f"kv_transfer_params={params!r} is invalid; allowed: null, "
+        '{"do_remote_decode": true} (prefill leg) or a prefill node\'s answer (decode leg)'
+    )
+
+
+class _Role:
+    """What both roles share: the transport, the side channel and counters."""
+
+    def __init__(
+        self,
+        config: FDConfig,
+        kv_caches: list,
+        layout: dict[str, Any],
+        handler: Callable[[str, dict], dict],
+    ) -> None:
+        sw = config.splitwise_config
+        self.config = sw
+        self.layout = layout
+        self.engine_id = f"{config.parallel_config.splitwise_role}-{uuid.uuid4().hex[:12]}"
+        self.transport = make_transport(sw.cache_transfer_protocol, sw.pd_host, self.engine_id)
+        self.transport.register(kv_caches)
+        self.side_channel = SideChannelServer(sw.pd_host, sw.pd_comm_port or 0, handler).start()
+        logger.info(
+            "PD %s node %s: side channel on %s:%d, KV transport %s",
+            config.parallel_config.splitwise_role,
+            self.engine_id,
+            sw.pd_host,
+            self.side_channel.port,
+            self.transport.name,
+        )
+
+    def close(self) -> None:
+        """Stop the side channel and the transport."""
+        self.side_channel.close()
+        self.transport.close()
+
+
+class PrefillRole(_Role):
+    """A prefill node: holds finished prefill-leg requests' blocks for decode nodes.
+
+    Args:
+        config: the engine's config (``splitwise_config`` is read).
+        kv_caches: the KV tensors to register with the transport (one per layer).
+        layout: this engine's layout fingerprint (``protocol.kv_layout``).
+    """
+
+    def __init__(self, config: FDConfig, kv_caches: list, layout: dict[str, Any]) -> None:
+        sw = config.splitwise_config
+        self.control = PrefillControl(sw.pd_lease_s, sw.pd_transfer_timeout)
+        super().__init__(config, kv_caches, layout, self.control.handle)
+        self._transport_meta = self.transport.local_metadata()
+
+    def hold(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_prompt_tokens: int,
+        first_token_id: int,
+        first_token_logprobs: list[dict] | None = None,
+    ) -> dict[str, Any]:
+        """Hold ``block_ids`` (the caller already took a reference on each) for a decode node;
+        returns the ``kv_transfer_params`` of the answer."""
+        self.control.hold(request_id, block_ids)
+        params = RemotePrefill(
+            remote_engine_id=self.engine_id,
+            remote_request_id=request_id,
+            remote_host=self.config.pd_host,
+            remote_port=self.side_channel.port,
+            remote_block_ids=list(block_ids),
+            num_prompt_tokens=num_prompt_tokens,
+            first_token_id=first_token_id,
+            lease_s=self.config.pd_lease_s,
+            transport=self._transport_meta,
+            layout=self.layout,
+            first_token_logprobs=first_token_logprobs,
+        )
+        return params.to_dict()
+
+    def take_freed(self) -> list[tuple[str, list[int], str]]:
+        """``(request_id, block_ids, reason)`` of every entry released since the last call
+        (DONE, ABORT or lease expiry); the engine drops its reference on each block."""
+        return self.control.take_freed()
+
+    def held_block_tables(self) -> list[list[int]]:
+        """The block lists held for decode nodes (for the integrity check)."""
+        return self.control.block_tables()
+
+    @property
+    def has_pending(self) -> bool:
+        """Blocks held for decode nodes, or released and not yet freed."""
+        return self.control.has_work
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending_sends": self.control.num_pending,
+            "pending_send_blocks": self.control.num_pending_blocks,
+            **{f"{k}_total": v for k, v in self.control.counts.items()},
+        }
+
+
+class DecodeRole(_Role):
+    """A decode node: pulls prompt KV from prefill nodes.
+
+    Args:
+        config: the engine's config.
+        kv_caches: the KV tensors pulls write into.
+        layout: this engine's layout fingerprint.
+        block_size: tokens per block (to turn prefix-cache hits into skipped blocks).
+    """
+
+    def __init__(
+        self, config: FDConfig, kv_caches: list, layout: dict[str, Any], block_size: int
+    ) -> None:
+        super().__init__(config, kv_caches, layout, self._handle)
+        self.block_size = block_size
+        self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0)
+        self.failure_policy = self.config.kv_load_failure_policy
+        self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0}
+        self.failures: dict[str, int] = {}
+        self._waiting: list[RemotePrefill] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._heartbeats, name="pd-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    @staticmethod
+    def _handle(op: str, message: dict) -> dict:
+        if op == "HEARTBEAT":
+            return {}
+        raise ValueError(f"op {op} is invalid on a decode node; allowed: HEARTBEAT")
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Call ``wakeup()`` (from a transfer thread) whenever a pull ends."""
+        self.loader.on_result = wakeup
+
+    def start(self, request_id: str, remote: RemotePrefill, block_ids: list[int], num_cached: int):
+        """Start pulling ``remote``'s blocks into ``block_ids`` (the request's table), skipping
+        the leading blocks this node's prefix cache already had (``num_cached`` tokens)."""
+        n = len(remote.remote_block_ids)
+        skip = min(num_cached // self.block_size, n)
+        self.loader.submit(
+            PullJob(request_id, remote, block_ids[:n], skip, self.config.pd_transfer_timeout)
+        )
+
+    def abort_remote(self, remote: RemotePrefill) -> None:
+        """Tell the prefill node, from a short-lived thread, that its blocks are not needed."""
+
+        def send() -> None:
+            try:
+                send_control(
+                    remote.remote_host, remote.remote_port, "ABORT", [remote.remote_request_id]
+                )
+            except SideChannelError as e:  # it frees them at lease expiry anyway
+                logger.warning("ABORT of %s failed: %s", remote.remote_request_id, e)
+
+        threading.Thread(target=send, name="pd-abort", daemon=True).start()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a pull (its result arrives once it can write no more)."""
+        self.loader.cancel(request_id)
+
+    def poll(self) -> list[PullResult]:
+        """Pulls that ended since the last call (counted in the metrics)."""
+        results = self.loader.poll()
+        for r in results:
+            if r.error is None:
+                self.counts["transfers"] += 1
+                self.counts["transfer_bytes"] += r.num_bytes
+                self.counts["transfer_seconds"] += r.seconds
+            else:
+                reason = r.error.split(":", 1)[0]
+                self.failures[reason] = self.failures.get(reason, 0) + 1
+        return results
+
+    @property
+    def in_flight(self) -> int:
+        return self.loader.in_flight
+
+    def set_waiting(self, remotes: list[RemotePrefill]) -> None:
+        """The decode-leg requests still waiting for blocks (their leases get heartbeats)."""
+        with self._lock:
+            self._waiting = list(remotes)
+
+    def _heartbeats(self) -> None:
+        period = max(0.05, self.config.pd_lease_s / 3)
+        while not self._stop.wait(period):
+            with self._lock:
+                remotes = list(self._waiting)
+            by_peer: dict[tuple[str, int], list[str]] = {}
+            for r in remotes:
+                by_peer.setdefault((r.remote_host, r.remote_port), []).append(r.remote_request_id)
+            for (host, port), ids in by_peer.items():
+                try:
+                    send_control(host, port, "HEARTBEAT", ids, timeout_s=2.0)
+                except SideChannelError as e:
+                    logger.warning("heartbeat to the prefill node %s:%d failed: %s", host, port, e)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "transfers_in_flight": self.loader.in_flight,
+            **self.counts,
+            "failures": dict(self.failures),
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        super().close()
+
+
+def make_role(
+    config: FDConfig, kv_caches: list, layout: dict[str, Any], block_size: int
+) -> PrefillRole | DecodeRole | None:
+    """The role object of ``config.parallel_config.splitwise_role`` (None for ``mixed``).
+
+    Raises:
+        ValueError: ``nixl`` asked for and not installed. OSError: a port that cannot be bound.
+    """
+    role = config.parallel_config.splitwise_role
+    if role == "prefill":
+        return PrefillRole(config, kv_caches, layout)
+    if role == "decode":
+        return DecodeRole(config, kv_caches, layout, block_size)
+    return None
