@@ -14,6 +14,8 @@ the Prometheus counters.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 GRAPH_MODES = ("full", "piecewise", "eager")
@@ -108,6 +110,49 @@ class ServerMetrics:
             "Tokens added to pad batches up to a capture size.",
             registry=r,
         )
+        # Prefill/decode disaggregation (exported only by a prefill or decode node's engine).
+        self.pd_pending_sends = Gauge(
+            "fastdeploy:pd_pending_sends",
+            "Finished prefill-leg requests whose KV blocks wait for a decode node.",
+            registry=r,
+        )
+        self.pd_pending_send_blocks = Gauge(
+            "fastdeploy:pd_pending_send_blocks",
+            "KV blocks held for decode nodes (pending sends).",
+            registry=r,
+        )
+        self.pd_released = Counter(
+            "fastdeploy:pd_pending_sends_released",
+            "Pending sends released, by reason (done, abort, expired).",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_claims = Counter(
+            "fastdeploy:pd_claims", "CLAIMs answered by this prefill node.", registry=r
+        )
+        self.num_waiting_for_remote_kv = Gauge(
+            "fastdeploy:num_requests_waiting_for_remote_kv",
+            "Decode-leg requests holding blocks while their KV is pulled.",
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "fastdeploy:kv_transfers", "KV pulls completed by this decode node.", registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "fastdeploy:kv_transfer_bytes", "Bytes of KV pulled by this decode node.", registry=r
+        )
+        self.kv_transfer_seconds = Counter(
+            "fastdeploy:kv_transfer_seconds",
+            "Seconds spent in completed KV pulls (claim, read, done).",
+            registry=r,
+        )
+        self.kv_transfer_failures = Counter(
+            "fastdeploy:kv_transfer_failures",
+            "Failed KV pulls, by reason (claim, transfer, cancelled).",
+            ["reason"],
+            registry=r,
+        )
+        self._last_pd: dict[str, float] = {}
         for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
         for reason in REJECT_REASONS:
@@ -137,11 +182,39 @@ class ServerMetrics:
             if delta > 0:
                 self.steps.labels(mode=mode).inc(delta)
             self._last_steps[mode] = count
+        if "num_waiting_for_remote_kv" in stats:
+            self.num_waiting_for_remote_kv.set(stats["num_waiting_for_remote_kv"])
+        pd = stats.get("pd")
+        if pd:
+            self._observe_pd(pd)
         padded = stats.get("num_padded_tokens")
         if padded is not None:
             if padded > self._last_padded:
                 self.padded_tokens.inc(padded - self._last_padded)
             self._last_padded = padded
+
+    def _inc_to(self, key: str, counter: Any, total: float) -> None:
+        """Advance ``counter`` to a cumulative ``total`` reported by the engine."""
+        delta = total - self._last_pd.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_pd[key] = total
+
+    def _observe_pd(self, pd: dict) -> None:
+        if "pending_sends" in pd:
+            self.pd_pending_sends.set(pd["pending_sends"])
+            self.pd_pending_send_blocks.set(pd["pending_send_blocks"])
+            self._inc_to("claims", self.pd_claims, pd.get("claims_total", 0))
+            for reason, key in (("done", "done"), ("abort", "aborts"), ("expired", "expired")):
+                total = pd.get(f"{key}_total", 0)
+                self._inc_to(f"released_{reason}", self.pd_released.labels(reason=reason), total)
+        if "transfers" in pd:
+            self._inc_to("transfers", self.kv_transfers, pd["transfers"])
+            self._inc_to("bytes", self.kv_transfer_bytes, pd["transfer_bytes"])
+            self._inc_to("seconds", self.kv_transfer_seconds, pd["transfer_seconds"])
+            for reason, total in (pd.get("failures") or {}).items():
+                counter = self.kv_transfer_failures.labels(reason=reason)
+                self._inc_to(f"failures_{reason}", counter, total)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         """A request's prefill finished and its first token came out."""

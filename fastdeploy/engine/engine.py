@@ -402,12 +402,17 @@ class LLMEngine:
         the scheduler (its KV blocks freed) before this returns.
         """
         outputs = self._pd_step(time.monotonic()) if self.pd is not None else []
+        if outputs:
+            # First tokens whose KV just landed (or failures) go out now, before a forward
+            # (TTFT), and a request never gets two outputs in one step.
+            self.last_step_idle = False
+            return outputs
         sched = self.scheduler.schedule()
         if self.pd is not None:
             self._start_pulls()
         # Also when empty: the runner frees the sampling state of finished requests.
         sampled = self.worker.execute_model(sched)
-        self.last_step_idle = sched.is_empty and not outputs
+        self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return outputs
         self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})

@@ -117,6 +117,8 @@ def pd_generate(prefill, decode, rid, prompt, params=GREEDY):
     kv = p_outs[-1].kv_transfer_params
     assert kv is not None and kv["first_token_id"] == tokens(p_outs)[0]
     d_outs = run(decode, f"d-{rid}", prompt, params, kv)
+    # The first token goes out alone, as soon as the KV landed (one output per step).
+    assert d_outs[0].new_token_ids == [kv["first_token_id"]]
     return p_outs, d_outs
 
 

@@ -94,9 +94,10 @@ def env_help() -> str:
     return "\n".join(lines)
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Bind ``host:port`` once, as uvicorn will, so that a port in use is reported before the
-    model loads (port 0, any free port, is not checked).
+    model loads (port 0, any free port, is not checked). ``flag`` names the option in the error
+    (``--port``, or ``--pd-comm-port`` for a PD node's side channel).
 
     Raises:
         ValueError: the address cannot be bound, naming it and why.
@@ -110,12 +111,12 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             hint = (
-                "another process is listening there; stop it or pick another --port"
+                f"another process is listening there; stop it or pick another {flag}"
                 if e.errno == errno.EADDRINUSE
-                else "check --host and --port"
+                else f"check the host and {flag}"
             )
             raise ValueError(
-                f"--port={port} is invalid: cannot bind {host}:{port} ({e.strerror}); {hint}"
+                f"{flag}={port} is invalid: cannot bind {host}:{port} ({e.strerror}); {hint}"
             ) from None
 
 
@@ -188,8 +189,11 @@ def run_server(args: argparse.Namespace) -> int:
         if not args.print_config:  # fail fast, before the model's config is even read
             from fastdeploy.engine.engine import check_device_available
 
-            check_device_available(EngineArgs.from_cli_args(args).resolve_device())
+            engine_args = EngineArgs.from_cli_args(args)
+            check_device_available(engine_args.resolve_device())
             check_port_free(args.host, args.port)
+            if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:
+                check_port_free(engine_args.pd_host, engine_args.pd_comm_port, "--pd-comm-port")
         config, plan = resolve(args)
         if args.print_config:
             print(json.dumps(resolved_config(args, config, plan), indent=2))
@@ -197,7 +201,7 @@ def run_server(args: argparse.Namespace) -> int:
         from fastdeploy.engine.engine import LLMEngine
 
         core = LLMEngine(config, plan)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
