@@ -247,10 +247,13 @@ class DecodeRole(_Role):
             self._waiting = list(remotes)
 
     def _heartbeats(self) -> None:
-        period = max(0.05, self.config.pd_lease_s / 3)
+        """Every third of the shortest lease among the waiting requests (the prefill nodes'
+        ``lease_s``, from their answers), extend those leases."""
+        period = 0.5
         while not self._stop.wait(period):
             with self._lock:
                 remotes = list(self._waiting)
+            period = max(0.05, min([0.5] + [r.lease_s / 3 for r in remotes]))
             by_peer: dict[tuple[str, int], list[str]] = {}
             for r in remotes:
                 by_peer.setdefault((r.remote_host, r.remote_port), []).append(r.remote_request_id)
