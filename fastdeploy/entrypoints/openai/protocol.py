@@ -6,10 +6,30 @@ with an OpenAI-style error body (see :mod:`fastdeploy.entrypoints.openai.serving
 widely used extensions (``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
 ``skip_special_tokens``, ``repetition_penalty``) follow vLLM / FastDeploy. Value ranges of the
 sampling fields are checked once, by :class:`~fastdeploy.core.sampling_params.SamplingParams`.
+
+Routers. ``vllm-router`` (0.1.x) and ``sglang-router`` (0.3.x) parse the body into their own typed
+request and serialize it again, so every field that they type as a plain ``bool`` reaches us even
+when the client left it out. Measured with both routers in front of a server that logs bodies:
+
+* chat, both: ``logprobs``, ``stream``, ``no_stop_trim``, ``ignore_eos``,
+  ``continue_final_message``, ``skip_special_tokens``, ``separate_reasoning``,
+  ``stream_reasoning``, ``return_hidden_states``; ``vllm-router`` adds ``include_reasoning``;
+* completions, both: ``stream``, ``echo``, ``no_stop_trim``, ``ignore_eos``,
+  ``skip_special_tokens``, ``return_hidden_states``;
+* ``vllm-router``'s PD prefill leg adds ``max_tokens: 1``, ``min_tokens: 1`` and
+  ``kv_transfer_params`` (:attr:`SamplingFields.kv_transfer_params`).
+
+These are accepted at the values that change nothing here (:data:`NEUTRAL_ONLY`, and the reasoning
+flags of :class:`ChatCompletionRequest`) and refused otherwise, naming the field and the allowed
+value. Fields a router forwards only when the client sent them (SGLang's ``rid``, ``lora_path``,
+``session_params``, ``regex``) stay unknown fields: none has a neutral value worth a knob here.
+So do ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``, which ``sglang-router`` adds to
+both legs in its PD mode: they belong to SGLang's own PD protocol, which this server does not speak.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -41,6 +61,19 @@ class ErrorResponse(OpenAIModel):
 
 
 # ------------------------------------------------------------------------------------ requests
+#: Router-added fields accepted only at the value that changes nothing, ``{field: allowed}``; one
+#: rule for both endpoints (:meth:`SamplingFields._neutral_only`).
+NEUTRAL_ONLY: dict[str, bool] = {
+    # SGLang: keep the stop string in the output. We always trim it.
+    "no_stop_trim": False,
+    # SGLang: answer hidden states. We have none to give.
+    "return_hidden_states": False,
+    # vLLM / SGLang: extend the last assistant message instead of starting a new one; the chat
+    # template here always starts a new turn.
+    "continue_final_message": False,
+}
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -76,6 +109,23 @@ class SamplingFields(StrictModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # Router extensions (module docstring): neutral values only, see NEUTRAL_ONLY.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    #: vLLM's PD field: ``{"do_remote_decode": true}`` on a prefill leg, a prefill node's answer on
+    #: a decode leg. Only its type is checked here; the engine checks the content against its
+    #: ``--splitwise-role``.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    # check_fields=False: continue_final_message is a field of ChatCompletionRequest only.
+    @field_validator(*NEUTRAL_ONLY, check_fields=False)
+    @classmethod
+    def _neutral_only(cls, v, info: ValidationInfo):
+        allowed = NEUTRAL_ONLY[info.field_name]
+        if v is not allowed:
+            got, want = json.dumps(v), json.dumps(allowed)
+            raise ValueError(f"{info.field_name}={got} is not supported; allowed: {want}")
+        return v
 
     @field_validator("tools")
     @classmethod
@@ -119,11 +169,28 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    """A chat completion request.
+
+    ``separate_reasoning``, ``stream_reasoning`` (SGLang) and ``include_reasoning`` (vLLM) are
+    accepted as ``true`` and ``false`` alike, and change nothing. In vLLM and SGLang each of them
+    acts only when the server was started with ``--reasoning-parser``: it decides whether a
+    reasoning model's thinking is moved out of ``content`` into ``reasoning_content``, streamed or
+    held back, or dropped. Without a parser both servers ignore them and the thinking, if any, stays
+    in ``content``. This server has no reasoning parser, so it is always in that case: either value
+    asks for exactly what it does, for a reasoning model as for any other. Refusing one of the two
+    would refuse bodies that ``vllm-router`` and ``sglang-router`` send by default (``true``) or
+    that clients of a parser-less vLLM send (``false``), for no difference in the answer.
+    """
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
 
 class CompletionRequest(SamplingFields):
