@@ -101,6 +101,10 @@ class LLMEngine:
         self._log_kv_cache(num_blocks)
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.graph_optimize_and_warm_up_model()
+        # The metrics count served steps only: not the memory profile or the warm-up steps.
+        runner = self.worker.runner
+        runner.steps_by_mode = dict.fromkeys(runner.steps_by_mode, 0)
+        runner.num_padded_tokens = 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
         )
