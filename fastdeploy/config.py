@@ -447,9 +447,6 @@ class FDConfig:
             problems.append(
                 f"swap_space={swap!r} is not supported yet; allowed: 0 (no host KV tier)"
             )
-        tp = self.parallel_config.tensor_parallel_size
-        if tp > 1:
-            problems.append(f"tensor_parallel_size={tp!r} is not supported yet; allowed: 1")
         return problems
 
     def check_supported(self) -> None:

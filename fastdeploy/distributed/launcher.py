@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -68,12 +71,23 @@ class RankProcesses:
             process.join(1)
             raise RankDiedError(rank, process.exitcode)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """End every rank: SIGTERM, then SIGKILL for those still alive after ``grace_s``."""
+    @property
+    def pids(self) -> dict[int, int | None]:
+        """rank -> process id (None before :meth:`start`)."""
+        return {rank: p.pid for rank, p in self.processes.items()}
+
+    def stop(self, grace_s: float = 5.0, exit_wait_s: float = 0.0) -> None:
+        """End every rank: wait up to ``exit_wait_s`` for them to exit on their own (after a
+        shutdown message), then SIGTERM, then SIGKILL for those still alive after ``grace_s``."""
+        deadline = time.monotonic() + exit_wait_s
         for p in self.processes.values():
+            if p.pid is not None:
+                p.join(max(deadline - time.monotonic(), 0))
+        started = [p for p in self.processes.values() if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in self.processes.values():
+        for p in started:
             p.join(grace_s)
             if p.is_alive():
                 logger.warning("rank process %s ignored SIGTERM; killing it", p.name)
@@ -94,3 +108,20 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """In a rank process: exit (code 1) as soon as the process that started it is gone, even
+    when that one was killed without a chance to stop its ranks. A daemon thread polls
+    ``os.getppid()``; ``os._exit`` ends the process even while its main thread is blocked in a
+    collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                logger.error("the engine process %d is gone; rank process exits", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fastdeploy-parent-watch", daemon=True).start()

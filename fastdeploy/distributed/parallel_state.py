@@ -9,6 +9,8 @@ worker); it is not a module global.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,24 +57,39 @@ class TPGroup:
         return self.rank == 0
 
 
+#: Store key each rank increments once it reached the rendezvous.
+_JOINED_KEY = "fastdeploy/tp_joined"
+#: Limit of the control group's collectives. A rank waits there for rank 0's next step for as long
+#: as the engine stays idle, so this is "forever"; a dead peer still ends the wait at once (its
+#: sockets close), and the device group keeps the real ``timeout_s``.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
 def init_tp_group(
     rank: int,
     world_size: int,
     dist_init_addr: str,
     device_type: str,
     timeout_s: float = 600.0,
+    wait_poll: Callable[[], None] | None = None,
 ) -> TPGroup:
     """Join the group (every rank calls this with the same address and world size).
+
+    Rank 0 hosts the rendezvous store at ``dist_init_addr``. While it waits for the other ranks
+    it calls ``wait_poll()`` every 50 ms, so a rank process that died before joining is reported
+    at once (``wait_poll`` raises) instead of after ``timeout_s``.
 
     Args:
         rank: global rank, ``node_rank * ranks_per_node + local_rank``.
         world_size: ranks in all.
         dist_init_addr: ``host:port`` of rank 0's rendezvous store.
         device_type: ``cuda`` (NCCL) or ``cpu`` (gloo).
-        timeout_s: limit of the rendezvous and of every collective.
+        timeout_s: limit of the rendezvous and of every device collective.
+        wait_poll: rank 0 only: called while waiting for the other ranks; raises to give up.
 
     Raises:
         ValueError: a bad address, rank or device type.
+        TimeoutError: not every rank joined within ``timeout_s``.
         RuntimeError / DistNetworkError: the rendezvous failed (from ``torch.distributed``).
     """
     host, port = parse_dist_init_addr(dist_init_addr)
@@ -83,18 +100,32 @@ def init_tp_group(
     check(device_type in ("cuda", "cpu"), "device", device_type, "cuda or cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+    store = dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
+    store.add(_JOINED_KEY, 1)
+    if rank == 0:
+        _wait_for_ranks(store, world_size, timeout_s, wait_poll)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     device_group = dist.group.WORLD
-    cpu_group = (
-        dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else device_group
-    )
+    # Control messages get a gloo group of their own (also on CPU, where the device group is
+    # gloo too), because their wait is unbounded while the device group's is not.
+    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank, world_size, device_group, cpu_group)
+
+
+def _wait_for_ranks(
+    store: dist.Store, world_size: int, timeout_s: float, poll: Callable[[], None] | None
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (joined := store.add(_JOINED_KEY, 0)) < world_size:
+        if poll is not None:
+            poll()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {joined} of {world_size} tensor-parallel ranks joined within {timeout_s:g} s"
+            )
+        time.sleep(0.05)
 
 
 def destroy_tp_group() -> None:
@@ -128,3 +159,25 @@ def broadcast_step(obj: object, tp: TPGroup) -> object:
     box = [obj if tp.is_driver else None]
     dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
     return box[0]
+
+
+def min_over_ranks(value: int, tp: TPGroup | None) -> int:
+    """The smallest ``value`` of all ranks (every rank calls it; on the control group, host
+    memory). ``value`` itself without a group."""
+    if tp is None or tp.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t.item())
+
+
+def abort_tp_group() -> None:
+    """Abort the default group from another thread, so that a collective blocked on a dead peer
+    returns with an error (NCCL waits on the device and never notices a closed socket; gloo
+    does). Best effort: a no-op when nothing is initialised or the call is unavailable."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - the caller raises the real error (the dead rank)
+            pass

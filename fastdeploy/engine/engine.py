@@ -74,11 +74,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: FDConfig, graph_plan: GraphPlan | None = None) -> None:
-        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager, fit_max_model_len
-        from fastdeploy.engine.stop_checker import StopChecker
         from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
-        from fastdeploy.scheduler.scheduler import Scheduler
-        from fastdeploy.worker.gpu_worker import GpuWorker
+        from fastdeploy.worker.executor import make_worker
 
         config.check_supported()
         check_device_available(config.device_config.device)
@@ -91,7 +88,20 @@ class LLMEngine:
             self.tokenizer = self.source.load_tokenizer()
         self.vocab_size = self.source.hf_config.vocab_size
         self.eos_token_ids = frozenset(self._eos_ids())
-        self.worker = GpuWorker(self.config, self.graph_plan)
+        self.worker = make_worker(self.config, self.graph_plan)
+        try:
+            self._start(config)
+        except BaseException:
+            self.worker.shutdown()  # a tensor-parallel worker also ends its rank processes
+            raise
+
+    def _start(self, config: FDConfig) -> None:
+        """Load the model, size and allocate the KV cache, capture graphs, build the scheduler
+        and the PD role (the rest of ``__init__``, undone by the caller if it raises)."""
+        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager, fit_max_model_len
+        from fastdeploy.engine.stop_checker import StopChecker
+        from fastdeploy.scheduler.scheduler import Scheduler
+
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
         cache = self.config.cache_config
@@ -495,11 +505,8 @@ class LLMEngine:
             pd.close()
             self.pd = None
         worker = getattr(self, "worker", None)
-        if worker is not None and worker.runner is not None:
-            if worker.runner.graph_runner is not None:
-                worker.runner.graph_runner.release()
-            worker.runner.kv_caches.clear()
-            worker.runner = None
+        if worker is not None:
+            worker.shutdown()
         self.worker = None
         import gc
 

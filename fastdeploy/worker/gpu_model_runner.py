@@ -43,6 +43,9 @@ class GPUModelRunner:
         buffers: the persistent input buffers.
         device: the model's device.
         seed: seed of the engine-wide generator used by unseeded sampled requests.
+        is_driver: False on tensor-parallel ranks other than 0: they run the forward and the
+            logits (whose all-gather every rank joins) but never sample; rank 0 alone samples,
+            from the full logits, so the ranks cannot disagree on a token.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class GPUModelRunner:
         buffers: InputBuffers,
         device: torch.device,
         seed: int,
+        is_driver: bool = True,
     ) -> None:
         self.model = model
+        self.is_driver = is_driver
         self.attn_backend = attn_backend
         self.buffers = buffers
         self.device = device
@@ -120,44 +125,68 @@ class GPUModelRunner:
             kv_caches=self.kv_caches,
         )
 
+    def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:
+        """The step's ``(mode, bucket)`` from host data: ``full``/``piecewise`` with the bucket
+        to replay, or ``("eager", None)`` (always without graphs). Under tensor parallelism
+        rank 0 decides it and sends it with the step, so the ranks never disagree."""
+        if self.graph_runner is None:
+            return "eager", None
+        return self.graph_runner.plan.dispatch(
+            sched.is_decode_only, len(sched.scheduled), sched.num_batched_tokens
+        )
+
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute_model(
+        self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None
+    ) -> dict[str, SampledToken]:
         """Run one step and sample a token for every request that reaches its last known token.
 
         Call it for every scheduled step, empty ones included: the requests of
         ``sched.finished_request_ids`` give back their sampling state here. Preempted requests
         keep theirs (seeded generator, penalty counts) until they finish.
 
+        Args:
+            sched: the step.
+            dispatch: the ``(mode, bucket)`` rank 0 chose (:meth:`dispatch`); None decides here.
+
         Returns:
-            request id -> sampled token, for the requests with ``ScheduledRequest.samples``.
+            request id -> sampled token, for the requests with ``ScheduledRequest.samples``;
+            empty on a rank that is not the driver.
         """
         for rid in sched.finished_request_ids:
             self.sampling.free(rid)
         if sched.is_empty:
             return {}
-        hidden, inputs, _ = self.forward(sched)
+        hidden, inputs, _ = self.forward(sched, dispatch)
         if not inputs.sampling_reqs:
             return {}
+        # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not self.is_driver:
+            return {}
         reqs = [s.request for s in sched.scheduled if s.samples]
         out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]))
         self.sampling.record(reqs, out.token_ids)
         return self._to_host(out, inputs.sampling_reqs)
 
-    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs, str]:
+    def forward(
+        self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None
+    ) -> tuple[torch.Tensor, StepInputs, str]:
         """Prepare ``sched`` in the persistent buffers and run it: a captured graph when the
         plan's dispatch picks one (host data only, no device sync), else eagerly.
+
+        Args:
+            sched: the step.
+            dispatch: ``(mode, bucket)`` decided by rank 0 (:meth:`dispatch`); None decides here.
 
         Returns:
             ``(hidden [padded, H], inputs, mode)``; rows past ``inputs.num_tokens`` are padding,
             ``mode`` is ``full``, ``piecewise`` or ``eager``.
         """
         graphs = self.graph_runner
-        mode, bucket = "eager", None
-        if graphs is not None:
-            mode, bucket = graphs.plan.dispatch(
-                sched.is_decode_only, len(sched.scheduled), sched.num_batched_tokens
-            )
+        mode, bucket = dispatch if dispatch is not None else self.dispatch(sched)
+        if mode != "eager" and graphs is None:
+            raise RuntimeError(f"step dispatched to a {mode} graph, but this rank has no graphs")
         inputs = self.buffers.prepare(sched, padded=bucket)
         if mode == "full":
             hidden = graphs.replay_full(bucket, inputs.input_ids, inputs.batch)

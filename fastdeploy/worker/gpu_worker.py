@@ -1,6 +1,8 @@
 """The worker: device, model loading, KV cache sizing and allocation, warm-up.
 
-One worker per rank (only rank 0 today). It runs on CUDA or CPU; the name follows FastDeploy.
+One worker per tensor-parallel rank; every rank runs the same calls in the same order (rank 0's
+:class:`~fastdeploy.worker.executor.TensorParallelWorker` sends them to the others), so their
+collectives meet. It runs on CUDA or CPU; the name follows FastDeploy.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.distributed.parallel_state import TPGroup, min_over_ranks
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.selector import get_attention_backend_cls
-from fastdeploy.model_executor.model_loader import get_model
+from fastdeploy.model_executor.model_loader import check_tensor_parallel, get_model
 from fastdeploy.platforms import get_platform
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.input_batch import InputBuffers, dummy_step
@@ -46,10 +49,16 @@ class GpuWorker:
             device and attention backend decided).
         graph_plan: the resolved graph plan (workers receive it; they never re-derive or edit
             it).
+        tp: this rank's tensor-parallel group (None: one rank). The model, the attention
+            backend and the KV cache then hold ``1/N`` of the heads.
+
+    Raises:
+        ValueError: the model cannot be split over ``tp`` (names the numbers).
     """
 
-    def __init__(self, config: FDConfig, graph_plan: GraphPlan) -> None:
+    def __init__(self, config: FDConfig, graph_plan: GraphPlan, tp: TPGroup | None = None) -> None:
         self.config = config
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.source = config.model_source
         self.graph_plan = graph_plan
         self.device = torch.device(config.device_config.device)
@@ -58,9 +67,10 @@ class GpuWorker:
         hf = self.source.hf_config
         self.dtype = resolve_dtype(config.model_config.dtype, self.device.type, hf)
         self.num_layers = hf.num_hidden_layers
-        self.num_heads = hf.num_attention_heads
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # this rank's heads (all of them with one rank)
+        world = 1 if self.tp is None else self.tp.world_size
+        self.num_heads, self.num_kv_heads = check_tensor_parallel(hf, world)
         self.runner: GPUModelRunner | None = None
         self.num_blocks = 0
 
@@ -69,7 +79,7 @@ class GpuWorker:
         """Load weights and build the runner with persistent buffers."""
         cfg = self.config
         torch.manual_seed(cfg.model_config.seed)
-        model = get_model(self.source, self.dtype, self.device, cfg.model_config.seed)
+        model = get_model(self.source, self.dtype, self.device, cfg.model_config.seed, tp=self.tp)
         backend_cls = get_attention_backend_cls(cfg.device_config.attention_backend)
         block_size = cfg.cache_config.block_size
         sched = cfg.scheduler_config
@@ -97,19 +107,23 @@ class GpuWorker:
             block_size=block_size,
             device=self.device,
         )
-        self.runner = GPUModelRunner(model, backend, buffers, self.device, cfg.model_config.seed)
+        is_driver = self.tp is None or self.tp.is_driver
+        self.runner = GPUModelRunner(
+            model, backend, buffers, self.device, cfg.model_config.seed, is_driver=is_driver
+        )
         logger.info(
-            "loaded %s: %d layers, dtype %s, attention backend %s, device %s",
+            "loaded %s: %d layers, dtype %s, attention backend %s, device %s%s",
             self.source.path,
             self.num_layers,
             self.dtype,
             backend.name,
             self.device,
+            "" if self.tp is None else f", rank {self.tp.rank}: {self.num_kv_heads} KV heads",
         )
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes of one block over all layers."""
+        """KV bytes of one block over all layers (this rank's KV heads)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return (
             2
@@ -134,15 +148,20 @@ class GpuWorker:
 
         A pool too small for one sequence of ``max_model_len`` is returned as it is: the engine
         then lowers ``max_model_len`` to what it holds, with a warning (``fit_max_model_len``).
+
+        Under tensor parallelism every rank sizes its own pool (the budget is per device) and
+        all of them take the smallest count, so block ids mean the same on every rank.
         """
         cfg = self.config
         if cfg.cache_config.num_gpu_blocks_override is not None:
-            return cfg.cache_config.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            budget = self.determine_available_memory()
+            num_blocks = cfg.cache_config.num_gpu_blocks_override
         else:
-            budget = int(envs.FD_CPU_KV_CACHE_SPACE() * GiB)
-        return min(budget // self.bytes_per_block, self.blocks_needed_at_most())
+            if self.device.type == "cuda":
+                budget = self.determine_available_memory()
+            else:
+                budget = int(envs.FD_CPU_KV_CACHE_SPACE() * GiB)
+            num_blocks = min(budget // self.bytes_per_block, self.blocks_needed_at_most())
+        return min_over_ranks(num_blocks, self.tp)
 
     def determine_available_memory(self) -> int:
         """Bytes left for the KV cache on CUDA after a profile run at the largest step
@@ -266,6 +285,14 @@ class GpuWorker:
                 raise
         self.runner.reset_sampling_state()
 
-    def execute_model(self, sched: SchedulerOutput):
+    def execute_model(self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None):
         """Run one scheduled step; see :meth:`GPUModelRunner.execute_model`."""
-        return self.runner.execute_model(sched)
+        return self.runner.execute_model(sched, dispatch)
+
+    def shutdown(self) -> None:
+        """Release the graphs, the KV cache and the model (idempotent)."""
+        if self.runner is not None:
+            if self.runner.graph_runner is not None:
+                self.runner.graph_runner.release()
+            self.runner.kv_caches.clear()
+            self.runner = None

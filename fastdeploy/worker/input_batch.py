@@ -178,8 +178,47 @@ class InputBuffers:
             dev[:n].copy_(cpu[:n], non_blocking=True)
 
 
+@dataclass
+class RankRequest:
+    """What a tensor-parallel rank other than 0 needs of one scheduled request: the few fields
+    :meth:`InputBuffers.prepare` reads, and only this step's tokens (a whole ``Request`` would
+    carry its history, sampling state and detokenizer over the wire every step).
+
+    Attributes:
+        request_id: the request's id.
+        block_ids: its block table.
+        num_tokens: its known tokens (so ``ScheduledRequest.samples`` answers as on rank 0).
+        step_token_ids: the tokens this step computes, ``all_token_ids[start:start + new]``.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    step_token_ids: list[int]
+
+
+def rank_step(sched: SchedulerOutput) -> SchedulerOutput:
+    """``sched`` as rank 0 sends it to the other ranks: the same layout over
+    :class:`RankRequest` stand-ins; finished and preempted requests are left out (only rank 0
+    keeps per-request state)."""
+    scheduled = []
+    for s in sched.scheduled:
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        request = s.request
+        stand_in = RankRequest(
+            request.request_id,
+            list(request.block_ids),
+            request.num_tokens,
+            _token_slice(request, start, end),
+        )
+        scheduled.append(ScheduledRequest(stand_in, start, s.num_new_tokens))
+    return SchedulerOutput(scheduled=scheduled)
+
+
 def _token_slice(request, start: int, end: int) -> list[int]:
     """Token ids ``start:end`` of prompt + output without building the concatenated list."""
+    if isinstance(request, RankRequest):
+        return request.step_token_ids
     n_prompt = request.num_prompt_tokens
     if end <= n_prompt:
         return request.prompt_token_ids[start:end]

@@ -194,9 +194,7 @@ class SamplingBuffers:
             self.output_counts[slot].zero_()
             if request.output_token_ids:  # a PD decode leg starts with the prefill's token
                 idx = torch.tensor(request.output_token_ids, dtype=torch.int64).to(self.device)
-                self.output_counts[slot].index_add_(
-                    0, idx, torch.ones_like(idx, dtype=torch.int32)
-                )
+                self.output_counts[slot].index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
         return slot
 
     def _dense(self, buf: torch.Tensor | None, vocab_size: int, dtype: torch.dtype):

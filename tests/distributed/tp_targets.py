@@ -184,3 +184,50 @@ def model_rank(rank: int, world: int, addr: str, out_dir: str, name: str) -> Non
             f.write(repr(result))
     finally:
         destroy_tp_group()
+
+
+def loader_rank(rank: int, world: int, addr: str, out_dir: str, sources: dict) -> None:
+    """For each ``name -> (path, load_format)``: the model loaded whole and loaded as this
+    rank's shard by ``get_model``; write the largest logit difference and both greedy tokens."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    from paged_runner import PagedRunner
+
+    from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from fastdeploy.model_executor.model_loader import get_model
+    from fastdeploy.model_executor.model_loader.source import resolve_model
+
+    torch.set_num_threads(1)
+    tp = init_tp_group(rank, world, addr, "cpu", timeout_s=60)
+    try:
+        results = {}
+        prompt = list(range(3, 40))
+        for name, (path, load_format) in sources.items():
+            source = resolve_model(path, load_format)
+            full = get_model(source, torch.float32, "cpu", 7)
+            shard = get_model(source, torch.float32, "cpu", 7, tp=tp)
+            with torch.inference_mode():
+                _, ref = PagedRunner(full).step([("a", prompt)])
+                _, got = PagedRunner(shard).step([("a", prompt)])
+                results[name] = {
+                    "diff": (ref - got).abs().max().item(),
+                    "kv_heads": shard.layers[0].num_kv_heads,
+                    "full": PagedRunner(full).generate_greedy("b", prompt, 6, set())[0],
+                    "tp": PagedRunner(shard).generate_greedy("b", prompt, 6, set())[0],
+                }
+        with open(os.path.join(out_dir, f"loader{rank}.txt"), "w") as f:
+            f.write(repr(results))
+    finally:
+        destroy_tp_group()
+
+
+def node_main(node_rank: int, model: str, engine_kwargs: dict) -> None:
+    """Node ``node_rank`` of a multi-node deployment on this host: its ranks join rank 0."""
+    from fastdeploy.engine.args_utils import EngineArgs
+    from fastdeploy.worker.executor import run_node
+
+    config = EngineArgs.from_kwargs(
+        model=model, node_rank=node_rank, **engine_kwargs
+    ).create_engine_config()
+    run_node(config)

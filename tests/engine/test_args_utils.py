@@ -210,7 +210,6 @@ def test_device_and_backend_are_resolved_before_the_policy(monkeypatch):
             "splitwise_role='decode' with tensor_parallel_size=2 is not supported yet",
         ),
         ({"swap_space": 4}, "swap_space=4 is not supported yet"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
     ],
 )
 def test_check_supported(kwargs, message):

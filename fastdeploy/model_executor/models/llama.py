@@ -221,10 +221,18 @@ class DecoderForCausalLM(nn.Module):
     Args:
         hf_config: the Hugging Face config (``LlamaConfig``, ``Qwen3Config``, ...).
         dtype: parameter and activation dtype.
+        tp: the tensor-parallel group (None or one rank: unsharded). Each rank holds
+            ``1/N`` of the heads, the MLP and the vocabulary; :meth:`load_weights` takes the
+            full checkpoint tensors and keeps this rank's part.
 
     Raises:
-        ValueError: ``hidden_act`` other than ``silu``, or an unsupported RoPE type.
+        ValueError: ``hidden_act`` other than ``silu``, an unsupported RoPE type, or a head
+            count / intermediate size that does not divide by the rank count (names both).
     """
+
+    #: Whether ``tp`` (a tensor-parallel group of more than one rank) is implemented: every
+    #: layer of the dense decoders splits; the experts of the MoE decoders do not yet.
+    supports_tensor_parallel: bool = True
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:

@@ -51,6 +51,9 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         ValueError: as :class:`DecoderForCausalLM`, or a routing that does not fit the experts.
     """
 
+    #: The experts are not split across ranks yet (the dense parts could be).
+    supports_tensor_parallel = False
+
     #: ``mlp.<name>`` aliases of the router's correction bias inside a layer (ERNIE adds its own).
     BIAS_ALIASES: tuple[str, ...] = ("mlp.gate.e_score_correction_bias",)
 
