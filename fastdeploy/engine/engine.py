@@ -261,10 +261,10 @@ class LLMEngine:
         leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if leg is True:  # the prefill node samples the first token only
-            sampling_params = dataclasses.replace(
-                sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1)
-            )
+        if leg is True:
+            # The prefill node samples the first token only, unconstrained by min_tokens (a
+            # router may set min_tokens=1 on this leg): the decode node applies the client's.
+            sampling_params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=0)
         request = Request(
             request_id, list(prompt_token_ids), sampling_params, eos_token_ids=self.eos_token_ids
         )
@@ -347,6 +347,11 @@ class LLMEngine:
                 continue
             remote = request.remote_prefill
             if result.error is None:
+                if remote.first_token_id in request.min_tokens_stop_ids:
+                    # The client's min_tokens masks the prefill node's token (eos or a stop
+                    # id): recompute the last prompt token here and sample under the mask.
+                    self.scheduler.remote_kv_loaded(rid, None)
+                    continue
                 self.scheduler.remote_kv_loaded(rid, remote.first_token_id)
                 logprobs = remote.first_token_logprobs
                 if logprobs is not None and request.sampling_params.logprobs is not None:

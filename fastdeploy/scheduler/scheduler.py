@@ -186,17 +186,20 @@ class Scheduler:
         loads, self._new_remote_loads = self._new_remote_loads, []
         return [r for r in loads if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
 
-    def remote_kv_loaded(self, request_id: str, first_token_id: int) -> Request | None:
+    def remote_kv_loaded(self, request_id: str, first_token_id: int | None) -> Request | None:
         """The prompt's KV landed: the prompt counts as computed (its full blocks are cached),
         the prefill node's first token is appended, and the request runs from its next step.
-        Returns the request, or None when it is no longer waiting (aborted meanwhile)."""
+        With ``first_token_id=None`` the last prompt token counts as not computed, so the next
+        step recomputes it and samples the first token here. Returns the request, or None when
+        it is no longer waiting (aborted meanwhile)."""
         request = self.waiting_for_remote_kv.pop(request_id, None)
         if request is None:
             return None
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
         self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-        request.output_token_ids.append(first_token_id)
-        request.first_token_time = time.monotonic()
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
+            request.first_token_time = time.monotonic()
         request.remote_prefill = None
         request.status = RequestStatus.RUNNING
         self.running.append(request)

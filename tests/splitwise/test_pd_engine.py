@@ -214,3 +214,27 @@ def test_abort_while_waiting_for_kv_frees_both_sides(prefill, decode):
     decode.check_integrity()
     assert prefill.get_stats()["pd"]["pending_sends"] == 0
     assert_all_free(prefill)
+
+
+def test_min_tokens_on_either_leg_gives_mixed_output(mixed, prefill, decode):
+    """A router may send min_tokens=1 on the prefill leg (vllm-router does): the prefill node
+    still samples the unconstrained first token, and the decode node applies the client's
+    min_tokens (recomputing the last prompt token when that masks the carried token)."""
+    prompt = prompts(1, 30, 31, seed=7)[0]
+    first = tokens(run(mixed, "m-first", prompt))[0]
+    for i, min_tokens in enumerate((0, 2)):
+        client = SamplingParams(
+            temperature=0.0, max_tokens=6, stop_token_ids=[first], min_tokens=min_tokens
+        )
+        want = run(mixed, f"m-min{i}", prompt, client)
+        router_leg = SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1)
+        p_outs = run(prefill, f"p-min{i}", prompt, router_leg, {"do_remote_decode": True})
+        assert p_outs[-1].kv_transfer_params["first_token_id"] == first
+        got = run(decode, f"d-min{i}", prompt, client, p_outs[-1].kv_transfer_params)
+        assert tokens(got) == tokens(want)
+        assert got[-1].finish_reason == want[-1].finish_reason
+    assert tokens(want)[0] != first  # min_tokens=2 masked it on both
+    settle(prefill)
+    settle(decode)
+    assert_all_free(prefill)
+    decode.check_integrity()
