@@ -45,8 +45,8 @@ from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class InsufficientKVCacheError(RuntimeError):
-    """A request cannot get a KV block even though every other running request was preempted
-    (only possible when ``max_model_len`` exceeds the pool; see the module docstring).
+    """A request needs more KV blocks than the whole pool holds (only possible when
+    ``max_model_len`` exceeds the pool; see the module docstring).
 
     ``request_id`` names it; the scheduler's state stays consistent (the request is still
     running and holds its blocks).
@@ -382,8 +382,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while not kv.allocate_slots(request, num_new_tokens):
             victim = self.running[-1]
-            if victim is request and len(self.running) == 1:
-                need = kv.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+            need = kv.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+            if victim is request and len(self.running) == 1 and need > kv.num_usable_blocks:
                 raise InsufficientKVCacheError(
                     request.request_id,
                     f"request {request.request_id!r} needs {need} KV blocks of {kv.block_size} "
@@ -391,6 +391,9 @@ class Scheduler:
                     f"{kv.num_usable_blocks} are available with nothing else running; raise "
                     "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len",
                 )
+            # Preempting the last running request itself is right when the blocks it lacks are
+            # held outside the running batch (decode-leg requests waiting for their KV, a
+            # prefill node's pending sends): it resumes once they are released.
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
