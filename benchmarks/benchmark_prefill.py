@@ -22,14 +22,22 @@ with CUDA events as the mean of ``--iters`` runs after ``--warmup`` runs:
 
 The engine is built with the default capture ladders unless ``--capture-sizes tokens``; capture
 time, graph count and graph memory come from that engine's warm-up.
+
+Kernel counts (the ``krn`` columns): GPU kernels one step launches, eagerly and as replayed (a
+replayed graph's kernels count one by one), from the PyTorch profiler's CUDA activities of kind
+kernel (memory copies and sets not counted). They need CUDA's profiler (CUPTI), as the whole
+benchmark needs CUDA; where the profiler sees no kernels the columns show ``-`` and a line says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,12 +76,40 @@ def kernel_time_ms(fn) -> float:
     return sum(e.device_time_total for e in prof.key_averages()) / 1000.0
 
 
+def is_kernel(event) -> bool:
+    """Whether a profiler (kineto) event is a GPU kernel, not a memory copy or set."""
+    from torch.autograd import DeviceType
+
+    if event.device_type() != DeviceType.CUDA:
+        return False
+    if hasattr(event, "activity_type"):
+        return event.activity_type() == "kernel"
+    return not event.name().startswith(("Memcpy", "Memset"))  # older torch: kineto's names
+
+
+def kernel_count(fn) -> int | None:
+    """GPU kernels one call of ``fn`` launches (PyTorch profiler; the kernels of a replayed CUDA
+    graph count one by one), after one call outside the profile; None when the profiler saw no
+    kernel at all (no CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    n = sum(1 for e in prof.profiler.kineto_results.events() if is_kernel(e))
+    return n or None
+
+
 class Bench:
     """Times the three modes for one engine. Every timed forward runs in inference mode: the
     parameters require grad, and autograd would keep every layer's activations alive (54 GB at
     8,192 tokens of Qwen3-30B-A3B)."""
 
     def __init__(self, engine: LLMEngine, iters: int, warmup: int) -> None:
+        """Each mode below takes ``measure``: a function of the step's callable, by default its
+        mean milliseconds (:func:`time_ms`); :func:`kernel_count` counts its kernels instead."""
         self.vocab_size = engine.vocab_size
         self.engine = engine
         self.runner = engine.worker.runner
@@ -94,32 +130,37 @@ class Bench:
             req.prompt_token_ids = ids.tolist()
         return sched
 
-    @torch.inference_mode()
-    def eager(self, n: int) -> float:
-        sched = self.step(n)
-        self.runner.graph_runner = None
+    def time(self, fn: Callable[[], object]) -> float:
+        return time_ms(fn, self.iters, self.warmup)
+
+    @contextmanager
+    def use_graphs(self, on: bool) -> Iterator[None]:
+        self.runner.graph_runner = self.graphs if on else None
         try:
-            return time_ms(lambda: self.runner.forward(sched), self.iters, self.warmup)
+            yield
         finally:
             self.runner.graph_runner = self.graphs
 
     @torch.inference_mode()
-    def piecewise(self, n: int) -> float | None:
+    def eager(self, n: int, measure: Callable | None = None) -> float:
+        sched = self.step(n)
+        with self.use_graphs(False):
+            return (measure or self.time)(lambda: self.runner.forward(sched))
+
+    @torch.inference_mode()
+    def piecewise(self, n: int, measure: Callable | None = None) -> float | None:
         sched = self.step(n)
         if self.graphs is None or self.runner.forward(sched)[2] != "piecewise":
             return None
-        return time_ms(lambda: self.runner.forward(sched), self.iters, self.warmup)
+        return (measure or self.time)(lambda: self.runner.forward(sched))
 
     @torch.inference_mode()
-    def decode(self, batch: int, context: int, graphs: bool) -> float:
-        """Milliseconds of one whole decode step (inputs, forward, logits, greedy sampling) of
-        ``batch`` requests with ``context`` tokens of KV each."""
+    def decode(self, batch: int, context: int, graphs: bool, measure: Callable | None = None):
+        """Milliseconds (or ``measure``) of one whole decode step (inputs, forward, logits, greedy
+        sampling) of ``batch`` requests with ``context`` tokens of KV each."""
         sched = self.random_ids(dummy_step([1] * batch, self.block_size, history=context - 1))
-        self.runner.graph_runner = self.graphs if graphs else None
-        try:
-            return time_ms(lambda: self.runner.execute_model(sched), self.iters, self.warmup)
-        finally:
-            self.runner.graph_runner = self.graphs
+        with self.use_graphs(graphs):
+            return (measure or self.time)(lambda: self.runner.execute_model(sched))
 
     @torch.inference_mode()
     def floor(self, n: int) -> tuple[float, str]:
@@ -158,7 +199,9 @@ def moe_summary(model) -> str | None:
     )
 
 
-def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
+def build_engine(args, model_dir: str, tokens: list[int], **engine_kwargs) -> LLMEngine:
+    """The benchmark's engine for ``tokens``; ``engine_kwargs`` (``EngineArgs`` fields) override
+    its settings (``benchmark_tp.py``: the tensor-parallel size, fusion, capture sizes)."""
     graph_cfg = {
         "use_cudagraph": True,
         "full_cuda_graph": False,
@@ -180,6 +223,7 @@ def build_engine(args, model_dir: str, tokens: list[int]) -> LLMEngine:
         attention_backend=args.attention_backend,
         skip_tokenizer_init=True,
     )
+    engine_args = dataclasses.replace(engine_args, **engine_kwargs)
     return LLMEngine.from_engine_args(engine_args)
 
 
@@ -222,8 +266,45 @@ def main() -> None:
         engine = build_engine(args, model_dir, args.tokens)
     bench = Bench(engine, args.iters, args.warmup)
     graphs = engine.worker.runner.graph_runner
+    rows = prefill_rows(bench, args.tokens)
+    print(
+        f"\nPrefill latency, 1 request | GPU {torch.cuda.get_device_name()} | model {args.model} "
+        f"(dummy weights) | dtype {args.dtype} | attention {engine.worker.runner.attn_backend.name}"
+        f" | graph_opt_level {args.graph_opt_level}"
+        f" | mean of {args.iters} after {args.warmup} warm-up"
+    )
+    moe = moe_summary(engine.worker.runner.model)
+    if moe:
+        print(moe)
+    print_prefill(rows)
+    if graphs is not None:
+        print(
+            f"capture: {graphs.num_graphs()} graphs ({len(graphs.piecewise)} prefill buckets, "
+            f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
+            f"{graphs.memory_bytes / 2**20:.1f} MiB"
+        )
+    result = {"rows": rows, "decode": decode_rows(bench, args.decode_batches, args.decode_context)}
+    if args.all_buckets and graphs is not None:
+        result["all_buckets"] = all_buckets(bench, sorted(graphs.piecewise))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    engine.shutdown()
+
+
+def fmt_count(n: int | None, width: int) -> str:
+    return f"{'-' if n is None else n:>{width}}"
+
+
+def note_missing_counts(counts: list[int | None]) -> None:
+    if any(c is None for c in counts):
+        print("kernel counts '-': the profiler saw no CUDA kernels (CUPTI unavailable?)")
+
+
+def prefill_rows(bench: Bench, tokens: list[int]) -> list[dict]:
+    """Eager, piecewise and floor milliseconds and the kernels of one eager and one piecewise
+    step, for one request of each token count."""
     rows = []
-    for n in args.tokens:
+    for n in tokens:
         eager, pw = bench.eager(n), bench.piecewise(n)
         floor, how = bench.floor(n)
         rows.append(
@@ -233,70 +314,83 @@ def main() -> None:
                 "piecewise_ms": pw,
                 "floor_ms": floor,
                 "floor_kind": how,
+                "eager_kernels": bench.eager(n, kernel_count),
+                "piecewise_kernels": bench.piecewise(n, kernel_count),
             }
         )
-    name = args.model
-    print(
-        f"\nPrefill latency, 1 request | GPU {torch.cuda.get_device_name()} | model {name} "
-        f"(dummy weights) | dtype {args.dtype} | attention {engine.worker.runner.attn_backend.name}"
-        f" | graph_opt_level {args.graph_opt_level}"
-        f" | mean of {args.iters} after {args.warmup} warm-up"
-    )
-    moe = moe_summary(engine.worker.runner.model)
-    if moe:
-        print(moe)
+    return rows
+
+
+def print_prefill(rows: list[dict]) -> None:
     print(
         f"{'tokens':>7} {'eager ms':>9} {'piecewise':>10} {'floor ms':>9} {'eager/pw':>9} "
-        f"{'pw/floor':>9}"
+        f"{'pw/floor':>9} {'eager krn':>9} {'pw krn':>7}"
     )
     for r in rows:
         pw = r["piecewise_ms"]
         pw_s = f"{pw:10.3f}" if pw else f"{'eager':>10}"
         sp = f"{r['eager_ms'] / pw:8.2f}x" if pw else f"{'-':>9}"
         fl = f"{pw / r['floor_ms']:8.2f}x" if pw else f"{'-':>9}"
+        krn = f"{fmt_count(r['eager_kernels'], 9)} {fmt_count(r['piecewise_kernels'], 7)}"
         mark = "" if r["floor_kind"] == "graph" else " (floor: kernel sum)"
-        print(f"{r['tokens']:>7} {r['eager_ms']:9.3f} {pw_s} {r['floor_ms']:9.3f} {sp} {fl}{mark}")
-    if graphs is not None:
         print(
-            f"capture: {graphs.num_graphs()} graphs ({len(graphs.piecewise)} prefill buckets, "
-            f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
-            f"{graphs.memory_bytes / 2**20:.1f} MiB"
+            f"{r['tokens']:>7} {r['eager_ms']:9.3f} {pw_s} {r['floor_ms']:9.3f} {sp} {fl} "
+            f"{krn}{mark}"
         )
-    result = {"rows": rows, "decode": []}
-    if args.decode_batches:
+    note_missing_counts([r["eager_kernels"] for r in rows])
+
+
+def decode_rows(bench: Bench, batches: list[int], context: int) -> list[dict]:
+    """Eager and graph decode steps of each batch size: milliseconds and kernels; printed."""
+    if not batches:
+        return []
+    print(
+        f"\nDecode step, {context} tokens of context per request (inputs, forward, logits, "
+        "greedy sampling)"
+    )
+    print(
+        f"{'batch':>6} {'eager ms':>9} {'eager tok/s':>12} {'graph ms':>9} {'graph tok/s':>12} "
+        f"{'eager krn':>9} {'graph krn':>9}"
+    )
+    rows = []
+    for b in batches:
+        e, g = bench.decode(b, context, False), bench.decode(b, context, True)
+        ek = bench.decode(b, context, False, kernel_count)
+        gk = bench.decode(b, context, True, kernel_count)
         print(
-            f"\nDecode step, {args.decode_context} tokens of context per request (inputs, "
-            "forward, logits, greedy sampling)"
+            f"{b:>6} {e:9.3f} {b / e * 1000:12.0f} {g:9.3f} {b / g * 1000:12.0f} "
+            f"{fmt_count(ek, 9)} {fmt_count(gk, 9)}"
         )
-        print(
-            f"{'batch':>6} {'eager ms':>9} {'eager tok/s':>12} {'graph ms':>9} {'graph tok/s':>12}"
+        rows.append(
+            {"batch": b, "eager_ms": e, "graph_ms": g, "eager_kernels": ek, "graph_kernels": gk}
         )
-        for b in args.decode_batches:
-            e, g = (
-                bench.decode(b, args.decode_context, False),
-                bench.decode(b, args.decode_context, True),
-            )
-            print(f"{b:>6} {e:9.3f} {b / e * 1000:12.0f} {g:9.3f} {b / g * 1000:12.0f}")
-            result["decode"].append({"batch": b, "eager_ms": e, "graph_ms": g})
-    if args.all_buckets and graphs is not None:
-        worst = []
-        for n in sorted(graphs.piecewise):
-            e, p = bench.eager(n), bench.piecewise(n)
-            worst.append((p / e, n, e, p))
-        worst.sort(reverse=True)
-        slower = [w for w in worst if w[0] > 1.02]
-        print(
-            f"all {len(worst)} prefill buckets: worst piecewise/eager = {worst[0][0]:.3f} at "
-            f"{worst[0][1]} tokens; buckets more than 2% slower than eager: "
-            f"{[w[1] for w in slower] or 'none'}"
-        )
-        result["all_buckets"] = [
-            {"tokens": n, "eager_ms": e, "piecewise_ms": p}
-            for _, n, e, p in sorted(worst, key=lambda w: w[1])
-        ]
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    engine.shutdown()
+    note_missing_counts([r["eager_kernels"] for r in rows])
+    return rows
+
+
+def all_buckets(bench: Bench, buckets: list[int]) -> list[dict]:
+    """Eager vs piecewise milliseconds and piecewise kernels of every captured prefill bucket;
+    prints the worst ratio and the kernel range."""
+    rows = [
+        {
+            "tokens": n,
+            "eager_ms": bench.eager(n),
+            "piecewise_ms": bench.piecewise(n),
+            "piecewise_kernels": bench.piecewise(n, kernel_count),
+        }
+        for n in buckets
+    ]
+    worst = max(rows, key=lambda r: r["piecewise_ms"] / r["eager_ms"])
+    slower = [r["tokens"] for r in rows if r["piecewise_ms"] / r["eager_ms"] > 1.02]
+    print(
+        f"all {len(rows)} prefill buckets: worst piecewise/eager = "
+        f"{worst['piecewise_ms'] / worst['eager_ms']:.3f} at {worst['tokens']} tokens; buckets "
+        f"more than 2% slower than eager: {slower or 'none'}"
+    )
+    counts = [r["piecewise_kernels"] for r in rows if r["piecewise_kernels"] is not None]
+    if counts:
+        print(f"kernels per piecewise replay: {min(counts)} to {max(counts)} over the buckets")
+    return rows
 
 
 if __name__ == "__main__":

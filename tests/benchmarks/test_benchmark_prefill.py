@@ -1,0 +1,87 @@
+"""benchmarks/benchmark_prefill.py pieces that run without a GPU: which profiler events count as
+kernels, and that every timed mode also takes another measure (the kernel counter) and leaves
+the runner's graphs as it found them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from torch.autograd import DeviceType
+
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.engine import LLMEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_prefill", ROOT / "benchmarks" / "benchmark_prefill.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark_prefill"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Event:
+    """A kineto event as the profiler returns it; ``kind=None``: a torch without activity_type."""
+
+    def __init__(self, device, name, kind=None):
+        self._device, self._name = device, name
+        if kind is not None:
+            self.activity_type = lambda: kind
+
+    def device_type(self):
+        return self._device
+
+    def name(self):
+        return self._name
+
+
+def test_only_device_kernels_count():
+    bench = load_benchmark()
+    cuda = DeviceType.CUDA
+    assert bench.is_kernel(Event(cuda, "ampere_bf16_gemm", "kernel"))
+    assert not bench.is_kernel(Event(cuda, "Memcpy HtoD (Pinned -> Device)", "gpu_memcpy"))
+    assert not bench.is_kernel(Event(cuda, "Memset (Device)", "gpu_memset"))
+    assert not bench.is_kernel(Event(DeviceType.CPU, "cudaLaunchKernel", "cuda_runtime"))
+    assert bench.is_kernel(Event(cuda, "flashinfer::BatchDecode"))  # by name on older torch
+    assert not bench.is_kernel(Event(cuda, "Memcpy DtoD (Device -> Device)"))
+
+
+def test_modes_take_a_measure_and_restore_graphs(tmp_path):
+    bench_mod = load_benchmark()
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", dtype="float32",
+                   skip_tokenizer_init=True, max_model_len=128, block_size=16, max_num_seqs=4)
+    )  # fmt: skip
+    try:
+        bench = bench_mod.Bench(engine, iters=1, warmup=0)
+        seen = []
+
+        def measure(fn):
+            seen.append(bench.runner.graph_runner)
+            fn()
+            return 7
+
+        assert bench.eager(8, measure) == 7
+        assert bench.decode(2, 16, graphs=False, measure=measure) == 7
+        assert bench.decode(2, 16, graphs=True, measure=measure) == 7
+        assert bench.piecewise(8, measure) is None  # CPU: no graphs to replay
+        assert seen == [None, None, bench.graphs]
+        assert bench.runner.graph_runner is bench.graphs
+    finally:
+        engine.shutdown()
