@@ -139,6 +139,12 @@ class CacheConfig:
             self.host_store_policy,
             ", ".join(HOST_STORE_POLICIES),
         )
+        check(
+            self.swap_space == 0 or self.enable_prefix_caching,
+            "swap_space",
+            self.swap_space,
+            "0 when enable_prefix_caching is false (the host tier holds prefix-cached blocks)",
+        )
 
 
 @dataclass
@@ -443,9 +449,16 @@ class FDConfig:
                 "tensor_parallel_size=1 on prefill and decode nodes"
             )
         swap = self.cache_config.swap_space
-        if swap > 0:
+        tp = self.parallel_config.tensor_parallel_size
+        if swap > 0 and tp > 1:
             problems.append(
-                f"swap_space={swap!r} is not supported yet; allowed: 0 (no host KV tier)"
+                f"swap_space={swap!r} with tensor_parallel_size={tp} is not supported yet; "
+                "allowed: swap_space=0 with tensor parallelism (the host tier runs on one rank)"
+            )
+        if swap > 0 and role == "decode":
+            problems.append(
+                f"swap_space={swap!r} with splitwise_role='decode' is not supported yet; allowed: "
+                "swap_space=0 on decode nodes (their prompts' KV comes from the prefill node)"
             )
         return problems
 

@@ -7,9 +7,9 @@ many as they like without "duplicated timeseries" errors. Names follow FastDeplo
 ``fastdeploy:time_to_first_token_seconds``, ...).
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
-by graph mode, padded tokens) come from ``LLMEngine.get_stats()`` snapshots; the engine reports the
-step and padding counts cumulatively, so :meth:`ServerMetrics.observe_stats` adds the difference to
-the Prometheus counters.
+by graph mode, padded tokens, the host KV tier's hits, swap-ins and stores) come from
+``LLMEngine.get_stats()`` snapshots; the engine reports counts cumulatively, so
+:meth:`ServerMetrics.observe_stats` adds the difference to the Prometheus counters.
 """
 
 from __future__ import annotations
@@ -152,6 +152,40 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        # Host KV tier (exported only with --swap-space).
+        self.host_cache_hit_tokens = Counter(
+            "fastdeploy:host_cache_hit_tokens",
+            "Prompt tokens found in the host KV tier at admission (swapped in, not recomputed).",
+            registry=r,
+        )
+        self.swap_in_bytes = Counter(
+            "fastdeploy:swap_in_bytes", "Bytes of KV copied from the host tier back.", registry=r
+        )
+        self.swap_in_seconds = Counter(
+            "fastdeploy:swap_in_seconds",
+            "Seconds from issuing swap-ins until the engine saw them land (step granularity).",
+            registry=r,
+        )
+        self.host_store_bytes = Counter(
+            "fastdeploy:host_store_bytes",
+            "Bytes of KV written through to the host tier (landed stores).",
+            registry=r,
+        )
+        self.host_pending_stores = Gauge(
+            "fastdeploy:host_pending_stores",
+            "KV blocks whose copy to the host tier is in flight (their device blocks are held).",
+            registry=r,
+        )
+        self.host_cache_usage = Gauge(
+            "fastdeploy:host_cache_usage_perc",
+            "Host KV tier usage, 0..1 (1 = all host blocks used).",
+            registry=r,
+        )
+        self.num_waiting_for_swap_in = Gauge(
+            "fastdeploy:num_requests_waiting_for_swap_in",
+            "Requests holding blocks while their host-tier hits are copied back.",
+            registry=r,
+        )
         self._last_pd: dict[str, float] = {}
         for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
@@ -187,6 +221,7 @@ class ServerMetrics:
         pd = stats.get("pd")
         if pd:
             self._observe_pd(pd)
+        self._observe_host_tier(stats)
         padded = stats.get("num_padded_tokens")
         if padded is not None:
             if padded > self._last_padded:
@@ -215,6 +250,17 @@ class ServerMetrics:
             for reason, total in (pd.get("failures") or {}).items():
                 counter = self.kv_transfer_failures.labels(reason=reason)
                 self._inc_to(f"failures_{reason}", counter, total)
+
+    def _observe_host_tier(self, stats: dict) -> None:
+        if "host_cache_hit_tokens" not in stats:
+            return
+        self._inc_to("host_hit_tokens", self.host_cache_hit_tokens, stats["host_cache_hit_tokens"])
+        self._inc_to("swap_in_bytes", self.swap_in_bytes, stats["swap_in_bytes"])
+        self._inc_to("swap_in_seconds", self.swap_in_seconds, stats["swap_in_seconds"])
+        self._inc_to("host_store_bytes", self.host_store_bytes, stats["host_store_bytes"])
+        self.host_pending_stores.set(stats["host_pending_stores"])
+        self.host_cache_usage.set(stats["host_cache_usage"])
+        self.num_waiting_for_swap_in.set(stats.get("num_waiting_for_swap_in", 0))
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         """A request's prefill finished and its first token came out."""

@@ -62,6 +62,14 @@ class HostPrefixCache:
         """Share of host blocks in use, in [0, 1]."""
         return self.num_used / self.num_blocks
 
+    def storing_blocks(self) -> set[int]:
+        """Host blocks whose store is in flight (reserved, not yet published)."""
+        return set(self._storing)
+
+    def pin_counts(self) -> dict[int, int]:
+        """Pinned host block -> number of swap-ins reading it."""
+        return dict(self._pins)
+
     def contains(self, block_hash: BlockHash) -> bool:
         """The hash is on the host, stored or still storing (no second store is needed)."""
         return block_hash in self._block_of

@@ -78,6 +78,8 @@ class KVCacheManager:
         # how many of its leading blocks were already offered to the prefix cache.
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_offered_blocks: dict[str, int] = {}
+        # Blocks that entered the prefix cache since take_newly_cached() (None: not recorded).
+        self._newly_cached: list[tuple[BlockHash, int, bool]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +111,37 @@ class KVCacheManager:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
 
+    def max_hit_blocks(self, request: Request) -> int:
+        """Most leading blocks of ``request`` that a prefix-cache hit may cover (on any tier):
+        full blocks strictly below its last token, so at least one token is computed (a logit
+        to sample) and no token of a shared block is recomputed."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Chain hashes of the request's first ``num_blocks`` full blocks (fewer when it has
+        fewer full blocks), computed once per request and kept until :meth:`free`."""
+        return self._hashes(request, num_blocks)[:num_blocks]
+
+    def record_newly_cached(self) -> None:
+        """From now on, remember every block that enters the prefix cache, for
+        :meth:`take_newly_cached` (the host tier writes them through)."""
+        if self._newly_cached is None:
+            self._newly_cached = []
+
+    @property
+    def num_newly_cached(self) -> int:
+        """Blocks recorded since the last :meth:`take_newly_cached`."""
+        return len(self._newly_cached or ())
+
+    def take_newly_cached(self) -> list[tuple[BlockHash, int, bool]]:
+        """``(block_hash, block_id, is_prompt_block)`` of the blocks that entered the prefix
+        cache since the last call, in order; ``is_prompt_block``: it holds prompt tokens only.
+        Empty unless :meth:`record_newly_cached` was called."""
+        if self._newly_cached is None:
+            return []
+        taken, self._newly_cached = self._newly_cached, []
+        return taken
+
     def get_computed_blocks(self, request: Request) -> int:
         """Attach the longest prefix-cached run of the request's full blocks; return its tokens.
 
@@ -134,9 +167,8 @@ class KVCacheManager:
         request.num_cached_tokens = 0
         if self.prefix_cache is None or request.num_tokens == 0:
             return 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in self._hashes(request, max_hit_blocks)[:max_hit_blocks]:
+        for block_hash in self.block_hashes(request, self.max_hit_blocks(request)):
             block_id = self.prefix_cache.lookup(block_hash)
             if block_id is None:
                 break
@@ -205,6 +237,9 @@ class KVCacheManager:
             block_id = request.block_ids[i]
             if self.prefix_cache.insert(hashes[i], block_id):
                 self.block_pool.incref([block_id])
+                if self._newly_cached is not None:
+                    is_prompt = (i + 1) * self.block_size <= request.num_prompt_tokens
+                    self._newly_cached.append((hashes[i], block_id, is_prompt))
         self._num_offered_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -220,8 +255,13 @@ class KVCacheManager:
 
     def hold_blocks(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on each block, for a holder other than a request (a prefill
-        node's pending send); :meth:`release_blocks` gives it back."""
+        node's pending send, a host-tier store in flight); :meth:`release_blocks` gives it back.
+        A cached block that no request used (evictable) is not evictable while held."""
         self.block_pool.incref(list(block_ids))
+        if self.prefix_cache is not None:
+            for block_id in block_ids:
+                if block_id in self.prefix_cache:
+                    self.prefix_cache.acquire(block_id)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, last block first: a block goes back to the pool, or,

@@ -86,10 +86,15 @@ class RequestStatus(enum.Enum):
 
     ``WAITING_FOR_REMOTE_KV``: a decode-leg request of a PD deployment that holds its KV blocks
     while its prompt's KV is pulled from the prefill node; it is never scheduled in that state.
+
+    ``WAITING_FOR_SWAP_IN``: a request admitted with prefix hits in the host KV tier
+    (``swap_in_mode=request``) that holds its KV blocks while those hits are copied back to the
+    device; it is never scheduled in that state.
     """
 
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_SWAP_IN = "waiting_for_swap_in"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # eos, stop string or stop token
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len

@@ -12,11 +12,15 @@ import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from fastdeploy.config import check
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
 
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
@@ -44,12 +48,17 @@ class TPGroup:
         world_size: ranks in the group (``--tensor-parallel-size``).
         device_group: process group for tensor collectives (NCCL on CUDA, gloo on CPU).
         cpu_group: gloo group for control messages.
+        allreduce_fusion: the fused all-reduce + residual add + RMSNorm with its workspace, when
+            the graph plan turned it on (rule 9); the dense decoder's row-parallel outputs then
+            go through it instead of :func:`all_reduce`. Set by the worker before the model is
+            built (``dataclasses.replace``).
     """
 
     rank: int
     world_size: int
     device_group: object
     cpu_group: object
+    allreduce_fusion: AllReduceFusion | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -141,6 +150,26 @@ def all_reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
         return x
     dist.all_reduce(x, group=tp.device_group)
     return x
+
+
+def warm_up_collectives(tp: TPGroup, largest: tuple[int, int], dtype: torch.dtype) -> None:
+    """Run the device collectives of a step once on CUDA, at one element and at ``largest``
+    (``[tokens, hidden]`` of the largest step), then free the tensors.
+
+    NCCL creates its communicator and connects its buffers at a collective's first use; doing
+    that here, before the model loads, (1) puts that memory outside PyTorch's allocator before
+    the KV cache is sized, where the budget counts it as non-PyTorch memory instead of missing it,
+    and (2) keeps the first use out of a CUDA graph capture. A no-op on CPU or with one rank.
+    """
+    if tp.world_size == 1 or dist.get_backend(tp.device_group) != "nccl":
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    small = torch.ones(1, 1, dtype=dtype, device=device)
+    all_reduce(small, tp)
+    all_gather_last_dim(small, tp)
+    all_reduce(torch.zeros(largest, dtype=dtype, device=device), tp)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def all_gather_last_dim(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:

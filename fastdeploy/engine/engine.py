@@ -12,6 +12,12 @@ what the pool holds for one request (``fit_max_model_len`` in
 :mod:`fastdeploy.cache_manager.kv_cache_manager`), so a prompt that could never fit is refused at
 once with the numbers, and a running request that outgrows the free blocks is preempted and
 resumed, never aborted.
+
+With ``--swap-space`` the engine also drives the host KV tier
+(:class:`~fastdeploy.cache_manager.host_tier.HostTier`): at the start of each step it issues the
+write-through stores of the blocks cached in the previous step and polls the copies in flight;
+after scheduling it issues the swap-ins of this step's host hits, whose per-layer events go into
+the forward in ``layerwise`` mode.
 """
 
 from __future__ import annotations
@@ -102,9 +108,14 @@ class LLMEngine:
         from fastdeploy.engine.stop_checker import StopChecker
         from fastdeploy.scheduler.scheduler import Scheduler
 
+        cache = self.config.cache_config
+        num_host_blocks = 0
+        if cache.swap_space > 0:  # an oversized request fails before the model loads
+            from fastdeploy.worker.host_kv_pool import host_blocks_for
+
+            num_host_blocks = host_blocks_for(cache.swap_space, self.worker.bytes_per_block)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
-        cache = self.config.cache_config
         self.max_model_len, self.max_model_len_note = fit_max_model_len(
             config.model_config.max_model_len, num_blocks, cache.block_size
         )
@@ -118,8 +129,21 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
         )
+        self.host_tier = None
+        if num_host_blocks:
+            from fastdeploy.cache_manager.host_tier import HostTier
+
+            self.worker.initialize_host_kv_pool(num_host_blocks)
+            self.host_tier = HostTier(
+                self.kv_cache_manager,
+                num_host_blocks,
+                self.worker.bytes_per_block,
+                self.worker,
+                cache.swap_in_mode,
+                cache.host_store_policy,
+            )
         self.scheduler = Scheduler(
-            self.config.scheduler_config, self.kv_cache_manager, self.max_model_len
+            self.config.scheduler_config, self.kv_cache_manager, self.max_model_len, self.host_tier
         )
         self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
         self.kv_layout = self._kv_layout()
@@ -301,8 +325,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def has_background_work(self) -> bool:
-        """True while PD bookkeeping needs steps even without requests: blocks held for decode
-        nodes (lease expiry), pulls in flight, or aborted pulls whose blocks wait."""
+        """True while bookkeeping needs steps even without requests: host-tier copies queued or
+        in flight; in PD, blocks held for decode nodes (lease expiry), pulls in flight, or
+        aborted pulls whose blocks wait."""
+        if self.host_tier is not None and self.host_tier.has_work:
+            return True
         pd = self.pd
         if pd is None:
             return False
@@ -324,7 +351,10 @@ class LLMEngine:
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        held = self.pd.held_block_tables() if hasattr(self.pd, "held_block_tables") else []
+        held = list(self.pd.held_block_tables()) if hasattr(self.pd, "held_block_tables") else []
+        if self.host_tier is not None:
+            held += self.host_tier.held_block_tables()
+            self.host_tier.check_integrity()
         self.scheduler.check_integrity(held)
 
     # ------------------------------------------------------------ PD bookkeeping
@@ -426,12 +456,21 @@ class LLMEngine:
             # (TTFT), and a request never gets two outputs in one step.
             self.last_step_idle = False
             return outputs
+        host = self.host_tier
+        if host is not None:  # stores before scheduling: nothing is evicted in between
+            for request in host.begin_step():
+                self.scheduler.swap_in_landed(request)
         sched = self.scheduler.schedule()
         if self.pd is not None:
             self._start_pulls()
+        layer_events = host.issue_swap_ins() if host is not None else None
         # Also when empty: the runner frees the sampling state of finished requests.
-        sampled = self.worker.execute_model(sched)
-        self.last_step_idle = sched.is_empty
+        if layer_events:
+            sampled = self.worker.execute_model(sched, layer_events=layer_events)
+        else:
+            sampled = self.worker.execute_model(sched)
+        # Copies in flight are polled by stepping: not idle until they landed.
+        self.last_step_idle = sched.is_empty and not (host is not None and host.has_work)
         if sched.is_empty:
             return outputs
         self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
@@ -487,12 +526,16 @@ class LLMEngine:
         )
 
     def get_stats(self) -> dict:
-        """Counters for metrics: running/waiting requests, KV usage, steps by graph mode."""
+        """Counters for metrics: running/waiting requests, KV usage, steps by graph mode; with a
+        host KV tier also ``host_cache_hit_tokens``, ``swap_in_bytes``, ``swap_in_seconds``,
+        ``host_store_bytes`` (cumulative), ``host_pending_stores`` (blocks), ``host_cache_usage``
+        (0..1) and ``num_host_blocks``."""
         runner = self.worker.runner
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_waiting_for_remote_kv": self.scheduler.num_waiting_for_remote_kv,
+            "num_waiting_for_swap_in": self.scheduler.num_waiting_for_swap_in,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_total_blocks": self.kv_cache_manager.num_usable_blocks,
@@ -501,6 +544,8 @@ class LLMEngine:
         }
         if self.pd is not None:
             stats["pd"] = self.pd.stats()
+        if self.host_tier is not None:
+            stats.update(self.host_tier.get_stats())
         return stats
 
     def shutdown(self) -> None:

@@ -22,8 +22,12 @@ class ForwardMeta:
         attn_backend: the attention backend that owns ``attn_metadata``.
         attn_metadata: backend-specific metadata, built once per step (not per layer).
         kv_caches: one tensor per layer, shape ``attn_backend.kv_cache_shape(num_blocks)``.
+        layer_events: None, or one event per layer (a ``torch.cuda.Event``) marking that this
+            step's host-tier swap-in of that layer's KV landed: the layer's attention makes the
+            device stream wait on it before reading its cache (``swap_in_mode=layerwise``).
     """
 
     attn_backend: AttentionBackend
     attn_metadata: Any
     kv_caches: list[torch.Tensor] = field(default_factory=list)
+    layer_events: list | None = None

@@ -24,6 +24,13 @@ Memory policy:
     engine reports the pull done (:meth:`remote_kv_loaded`: it runs from its first decode step)
     or failed (:meth:`remote_kv_failed`). Aborting it while the pull may still write parks its
     blocks (:meth:`release_cancelled` frees them once the pull ended).
+  * Host KV tier (``host_tier``): admission continues the device prefix hit on the host; the host
+    hits get device blocks, all or nothing together with the new tokens, and are swapped in.
+    With ``swap_in_mode=request`` the request then waits in ``WAITING_FOR_SWAP_IN``, holding its
+    blocks, never scheduled and spending no step budget, until the engine reports its copy
+    landed (:meth:`swap_in_landed`); aborted meanwhile, its blocks are parked until then. With
+    ``layerwise`` it runs at once: the forward waits for each layer's copy. Preemption still
+    recomputes, but re-admission finds the blocks that were written through to the host.
   * A request alone in the pool always fits when ``max_model_len`` is at most the pool's tokens,
     which the engine guarantees at start-up (``fit_max_model_len`` in
     :mod:`fastdeploy.cache_manager.kv_cache_manager`): a prompt that could never fit is refused
@@ -38,6 +45,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig, check
 from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
@@ -66,6 +74,7 @@ class Scheduler:
             default) and ``enable_chunked_prefill``.
         kv_cache_manager: owns the KV blocks.
         max_model_len: most tokens (prompt + output) of one request.
+        host_tier: the host KV tier over ``kv_cache_manager``, or None.
 
     Raises:
         ValueError: ``max_model_len < 1``; ``max_num_batched_tokens`` not a resolved integer
@@ -79,6 +88,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        host_tier: HostTier | None = None,
     ) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(
@@ -112,6 +122,11 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         self._new_remote_loads: list[Request] = []
         self._cancelled_loads: dict[str, Request] = {}
+        # Host KV tier: requests holding blocks while their host hits are copied back
+        # (swap_in_mode=request), and aborted ones whose blocks wait for that copy to land.
+        self.host_tier = host_tier
+        self.waiting_for_swap_in: dict[str, Request] = {}
+        self._cancelled_swap_ins: set[Request] = set()
 
     @property
     def num_running(self) -> int:
@@ -128,9 +143,16 @@ class Scheduler:
         """Decode-leg requests holding blocks while their KV is pulled."""
         return len(self.waiting_for_remote_kv)
 
+    @property
+    def num_waiting_for_swap_in(self) -> int:
+        """Requests holding blocks while their host-tier hits are copied back."""
+        return len(self.waiting_for_swap_in)
+
     def has_unfinished_requests(self) -> bool:
-        """True while a request is waiting, running or waiting for its remote KV."""
-        return bool(self.waiting or self.running or self.waiting_for_remote_kv)
+        """True while a request is waiting, running, or waiting for its remote KV or swap-in."""
+        return bool(
+            self.waiting or self.running or self.waiting_for_remote_kv or self.waiting_for_swap_in
+        )
 
     def get_request(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, or ``None``."""
@@ -176,8 +198,39 @@ class Scheduler:
             request.finish_time = time.monotonic()
             self._finished_ids.append(request_id)
             return True
+        if request.status == RequestStatus.WAITING_FOR_SWAP_IN:
+            # Host hits are still being copied into its blocks: park them until swap_in_landed().
+            del self.waiting_for_swap_in[request_id]
+            self._cancelled_swap_ins.add(request)
+            del self._requests[request_id]
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finish_time = time.monotonic()
+            self._finished_ids.append(request_id)
+            return True
         self._remove(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    # ------------------------------------------------------------ host KV tier
+    def swap_in_landed(self, request: Request) -> None:
+        """The host-tier copies into ``request``'s blocks landed. A request waiting for them
+        runs from its next step (the swapped-in blocks enter the device prefix cache); one
+        aborted meanwhile frees its parked blocks now; for any other (``layerwise``: already
+        running or finished) nothing changes."""
+        if request in self._cancelled_swap_ins:
+            self._cancelled_swap_ins.discard(request)
+            self.kv_cache_manager.free(request)
+            return
+        if self.waiting_for_swap_in.get(request.request_id) is not request:
+            return
+        del self.waiting_for_swap_in[request.request_id]
+        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    @property
+    def num_cancelled_swap_ins(self) -> int:
+        """Aborted requests whose blocks wait for their swap-in to land."""
+        return len(self._cancelled_swap_ins)
 
     # ------------------------------------------------------------ PD decode node
     def take_new_remote_loads(self) -> list[Request]:
@@ -350,6 +403,8 @@ class Scheduler:
         held = [r.block_ids for r in self.running]
         held += [r.block_ids for r in self.waiting_for_remote_kv.values()]
         held += [r.block_ids for r in self._cancelled_loads.values()]
+        held += [r.block_ids for r in self.waiting_for_swap_in.values()]
+        held += [r.block_ids for r in self._cancelled_swap_ins]
         self.kv_cache_manager.check_integrity(held + list(other_holders or []))
         if len(self.running) > self.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}")
@@ -367,8 +422,13 @@ class Scheduler:
                 raise AssertionError(f"request {r.request_id!r} waits for KV with {r.status}")
             if len(r.block_ids) * block_size < r.num_prompt_tokens:
                 raise AssertionError(f"request {r.request_id!r}: blocks do not cover its prompt")
+        for r in self.waiting_for_swap_in.values():
+            if r.status != RequestStatus.WAITING_FOR_SWAP_IN:
+                raise AssertionError(f"request {r.request_id!r} waits for swap-in with {r.status}")
+            if len(r.block_ids) * block_size < r.num_computed_tokens:
+                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its KV")
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        ids += list(self.waiting_for_remote_kv)
+        ids += list(self.waiting_for_remote_kv) + list(self.waiting_for_swap_in)
         if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
             raise AssertionError("waiting + running differ from the known unfinished requests")
 
@@ -417,7 +477,8 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and len(self.running) + len(self.waiting_for_remote_kv) < self.max_num_seqs
+            and len(self.running) + len(self.waiting_for_remote_kv) + len(self.waiting_for_swap_in)
+            < self.max_num_seqs
         ):
             request = self.waiting[0]
             kv.get_computed_blocks(request)  # sets num_cached_tokens and num_computed_tokens
@@ -430,7 +491,9 @@ class Scheduler:
                 self.waiting_for_remote_kv[request.request_id] = request
                 self._new_remote_loads.append(request)
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            host_hits = self.host_tier.lookup(request) if self.host_tier is not None else []
+            host_tokens = len(host_hits) * kv.block_size
+            num_new = request.num_tokens - request.num_computed_tokens - host_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill and budget < self.max_num_batched_tokens:
                     self._undo_admission(request)  # wait for a step with room for the whole prompt
@@ -438,15 +501,33 @@ class Scheduler:
                 # A chunk of the budget. Without chunked prefill only a request longer than an
                 # empty step gets here (grown past max_model_len): chunk it rather than starve it.
                 num_new = budget
-            if not kv.allocate_slots(request, num_new):
+            if not kv.allocate_slots(request, host_tokens + num_new):
                 self._undo_admission(request)
                 break
             self.waiting.popleft()
+            if host_hits and self._start_swap_in(request, host_hits):
+                continue  # waits in WAITING_FOR_SWAP_IN, spending no budget
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return admitted
+
+    def _start_swap_in(self, request: Request, host_hits: list[int]) -> bool:
+        """Swap the host hits into the blocks that follow the device hits; they count as
+        computed (and cached) tokens. Returns True when the request must wait for the copy
+        (``swap_in_mode=request``), False when it runs in this step (``layerwise``)."""
+        first = request.num_computed_tokens // self.kv_cache_manager.block_size
+        device = request.block_ids[first : first + len(host_hits)]
+        self.host_tier.start_swap_in(request, host_hits, device)
+        host_tokens = len(host_hits) * self.kv_cache_manager.block_size
+        request.num_computed_tokens += host_tokens
+        request.num_cached_tokens += host_tokens
+        if self.host_tier.layerwise:
+            return False
+        request.status = RequestStatus.WAITING_FOR_SWAP_IN
+        self.waiting_for_swap_in[request.request_id] = request
+        return True
 
     def _undo_admission(self, request: Request) -> None:
         """Give back the prefix-cache hits taken by a lookup for a request that stays waiting."""

@@ -40,7 +40,9 @@ from fastdeploy.worker.input_batch import rank_step
 from fastdeploy.worker.worker_process import (
     RankCall,
     ranks_per_node,
+    release_communication,
     run_rank,
+    setup_communication,
     share_cpu_threads,
 )
 
@@ -93,7 +95,7 @@ class TensorParallelWorker:
 
     Raises:
         ValueError: see :func:`make_worker`.
-        RankDiedError: a rank process died before joining the group.
+        RankDiedError: a rank process died before joining the group or during the set-up.
         TimeoutError: a rank did not join in time (another node's, typically).
     """
 
@@ -129,13 +131,27 @@ class TensorParallelWorker:
             self.tp = init_tp_group(
                 0, world, self.dist_init_addr, self.device_type, wait_poll=self.ranks.check
             )
+            # Watched from here on (the rendezvous polled by itself): a rank that dies in the
+            # set-up's collectives (NCCL warm-up, the fusion workspace) aborts the group
+            # instead of leaving rank 0 waiting.
+            self._watch.start()
             broadcast_step(graph_plan, self.tp)
+            self.tp = setup_communication(self.tp, config, graph_plan)
             self.worker = GpuWorker(config, graph_plan, tp=self.tp)
-        except BaseException:
+        except BaseException as e:
+            # A collective broken by a dead peer: let the watchdog name the rank.
+            if (
+                self._watch.started
+                and isinstance(e, RuntimeError)
+                and not isinstance(e, RankDiedError)
+            ):
+                self._watch.died.wait(DEATH_WAIT_S)
+            death = self._watch.death
             self._finalizer()
             torch.set_num_threads(self._num_threads)
+            if death is not None and isinstance(e, Exception):
+                raise death from e
             raise
-        self._watch.start()
         logger.info(
             "tensor parallel: %d ranks (%d on this node, pids %s), rendezvous %s",
             world,
@@ -189,6 +205,11 @@ class TensorParallelWorker:
                 logger.warning("could not send shutdown to the ranks: %s", e)
         if self.worker is not None:
             self.worker.shutdown()
+        if told:  # the ranks free the fused all-reduce's workspace at the same point
+            try:
+                release_communication(self.tp)
+            except Exception as e:  # noqa: BLE001 - the ranks are stopped below either way
+                logger.warning("freeing the fused all-reduce workspace failed: %s", e)
         self.runner = None
         # Ranks that were told exit on their own; others may be stuck in a collective.
         self.ranks.stop(exit_wait_s=EXIT_WAIT_S if told else 0.0)
@@ -276,6 +297,10 @@ class RankWatch:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     def _run(self) -> None:
         while not self.stopping.is_set():

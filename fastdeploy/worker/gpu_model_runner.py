@@ -117,12 +117,15 @@ class GPUModelRunner:
                 progress.update(1)
 
     # ---------------------------------------------------------------- step
-    def build_forward_meta(self, inputs: StepInputs) -> ForwardMeta:
+    def build_forward_meta(
+        self, inputs: StepInputs, layer_events: list | None = None
+    ) -> ForwardMeta:
         """Attention metadata is built here, once per step, never per layer."""
         return ForwardMeta(
             attn_backend=self.attn_backend,
             attn_metadata=self.attn_backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
+            layer_events=layer_events or None,
         )
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:
@@ -137,7 +140,10 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None
+        self,
+        sched: SchedulerOutput,
+        dispatch: tuple[str, int | None] | None = None,
+        layer_events: list | None = None,
     ) -> dict[str, SampledToken]:
         """Run one step and sample a token for every request that reaches its last known token.
 
@@ -148,6 +154,8 @@ class GPUModelRunner:
         Args:
             sched: the step.
             dispatch: the ``(mode, bucket)`` rank 0 chose (:meth:`dispatch`); None decides here.
+            layer_events: host-tier swap-ins of this step (``swap_in_mode=layerwise``): one
+                event per layer, that layer's copies; see :meth:`forward`.
 
         Returns:
             request id -> sampled token, for the requests with ``ScheduledRequest.samples``;
@@ -157,7 +165,7 @@ class GPUModelRunner:
             self.sampling.free(rid)
         if sched.is_empty:
             return {}
-        hidden, inputs, _ = self.forward(sched, dispatch)
+        hidden, inputs, _ = self.forward(sched, dispatch, layer_events)
         if not inputs.sampling_reqs:
             return {}
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
@@ -170,7 +178,10 @@ class GPUModelRunner:
         return self._to_host(out, inputs.sampling_reqs)
 
     def forward(
-        self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None
+        self,
+        sched: SchedulerOutput,
+        dispatch: tuple[str, int | None] | None = None,
+        layer_events: list | None = None,
     ) -> tuple[torch.Tensor, StepInputs, str]:
         """Prepare ``sched`` in the persistent buffers and run it: a captured graph when the
         plan's dispatch picks one (host data only, no device sync), else eagerly.
@@ -178,6 +189,10 @@ class GPUModelRunner:
         Args:
             sched: the step.
             dispatch: ``(mode, bucket)`` decided by rank 0 (:meth:`dispatch`); None decides here.
+            layer_events: one event per layer (``Event.wait()`` makes the current stream wait):
+                eagerly, each layer's attention waits on its own event (``ForwardMeta``); before
+                a graph replay, which cannot wait inside, the stream waits on all of them. No
+                host sync either way.
 
         Returns:
             ``(hidden [padded, H], inputs, mode)``; rows past ``inputs.num_tokens`` are padding,
@@ -188,13 +203,16 @@ class GPUModelRunner:
         if mode != "eager" and graphs is None:
             raise RuntimeError(f"step dispatched to a {mode} graph, but this rank has no graphs")
         inputs = self.buffers.prepare(sched, padded=bucket)
+        if layer_events and mode != "eager":
+            for event in layer_events:
+                event.wait()
         if mode == "full":
             hidden = graphs.replay_full(bucket, inputs.input_ids, inputs.batch)
         elif mode == "piecewise":
             meta = self.build_forward_meta(inputs)
             hidden = graphs.replay_piecewise(bucket, inputs.input_ids, meta)
         else:
-            meta = self.build_forward_meta(inputs)
+            meta = self.build_forward_meta(inputs, layer_events)
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
         self.steps_by_mode[mode] += 1
         self.num_padded_tokens += inputs.padded - inputs.num_tokens

@@ -22,6 +22,7 @@ from fastdeploy.model_executor.layers.attention.selector import get_attention_ba
 from fastdeploy.model_executor.model_loader import check_tensor_parallel, get_model
 from fastdeploy.platforms import get_platform
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.worker.host_kv_pool import CopyJob, HostKVPool
 from fastdeploy.worker.input_batch import InputBuffers, dummy_step
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class GpuWorker:
         self.num_heads, self.num_kv_heads = check_tensor_parallel(hf, world)
         self.runner: GPUModelRunner | None = None
         self.num_blocks = 0
+        self.host_pool: HostKVPool | None = None
 
     # ------------------------------------------------------------- loading
     def load_model(self) -> None:
@@ -248,6 +250,35 @@ class GpuWorker:
             num_blocks * self.bytes_per_block / GiB,
         )
 
+    # ------------------------------------------------------------- host KV tier
+    def initialize_host_kv_pool(self, num_host_blocks: int) -> None:
+        """Allocate the host tier: ``num_host_blocks`` blocks per layer in the device cache's
+        block layout (pinned on CUDA). Call after :meth:`initialize_kv_cache`."""
+        block_shape = tuple(self.runner.kv_caches[0].shape[1:])
+        start = time.perf_counter()
+        self.host_pool = HostKVPool(
+            num_host_blocks, block_shape, self.num_layers, self.dtype, self.device
+        )
+        logger.info(
+            "host KV tier: %d blocks, %.2f GiB%s, allocated in %.1f s",
+            num_host_blocks,
+            num_host_blocks * self.bytes_per_block / GiB,
+            " pinned" if self.device.type == "cuda" else "",
+            time.perf_counter() - start,
+        )
+
+    def store_blocks(self, device_blocks: list[int], host_blocks: list[int]) -> CopyJob:
+        """Copy ``device_blocks`` of every layer into host blocks ``host_blocks`` (write-through,
+        on the host pool's side stream after the work already queued on the device)."""
+        return self.host_pool.store(self.runner.kv_caches, device_blocks, host_blocks)
+
+    def load_blocks(
+        self, host_blocks: list[int], device_blocks: list[int], per_layer: bool
+    ) -> CopyJob:
+        """Copy host blocks ``host_blocks`` into ``device_blocks`` of every layer (swap-in);
+        ``per_layer``: one event per layer, in layer order."""
+        return self.host_pool.load(self.runner.kv_caches, host_blocks, device_blocks, per_layer)
+
     # ------------------------------------------------------------- warm-up
     def graph_optimize_and_warm_up_model(self) -> None:
         """Capture CUDA graphs per the plan (prefill/mixed first, then decode) inside one capture
@@ -285,12 +316,21 @@ class GpuWorker:
                 raise
         self.runner.reset_sampling_state()
 
-    def execute_model(self, sched: SchedulerOutput, dispatch: tuple[str, int | None] | None = None):
+    def execute_model(
+        self,
+        sched: SchedulerOutput,
+        dispatch: tuple[str, int | None] | None = None,
+        layer_events: list | None = None,
+    ):
         """Run one scheduled step; see :meth:`GPUModelRunner.execute_model`."""
-        return self.runner.execute_model(sched, dispatch)
+        return self.runner.execute_model(sched, dispatch, layer_events)
 
     def shutdown(self) -> None:
-        """Release the graphs, the KV cache and the model (idempotent)."""
+        """Release the host KV tier (once its copies ended), the graphs, the KV cache and the
+        model (idempotent)."""
+        if self.host_pool is not None:
+            self.host_pool.release()
+            self.host_pool = None
         if self.runner is not None:
             if self.runner.graph_runner is not None:
                 self.runner.graph_runner.release()

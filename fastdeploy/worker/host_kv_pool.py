@@ -6,11 +6,16 @@ blocks that are consecutive on both sides is one copy too (``merge_block_runs``)
 memory is pinned, copies are ``non_blocking`` on a side stream that first waits for the compute
 stream, and a copy job ends with a CUDA event (one per layer for a layer-by-layer swap-in), so
 nobody syncs the host. On CPU (tests, CI) copies are plain and done at once.
+
+The host tensors are pinned with ``cudaHostRegister`` rather than ``pin_memory=True``: PyTorch's
+pinned-memory allocator rounds every allocation up to a power of two, which would lock up to twice
+the ``--swap-space`` that was asked for.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +73,27 @@ class CopyJob:
             stream.wait_event(e)
 
 
+def _register(tensor: torch.Tensor) -> None:
+    """Page-lock ``tensor``'s memory for asynchronous copies (exactly its bytes).
+
+    Raises:
+        RuntimeError: CUDA refused (names the size and the error).
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"pinning {nbytes / GiB:.2f} GiB of host memory for the host KV tier failed "
+            f"(cudaHostRegister error {int(err)}); lower --swap-space"
+        )
+
+
+def _unregister(pointers: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    while pointers:
+        cudart.cudaHostUnregister(pointers.pop())
+
+
 class HostKVPool:
     """Host copies of KV blocks.
 
@@ -89,11 +115,23 @@ class HostKVPool:
     ) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.layers = [
-            torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=cuda)
-            for _ in range(num_layers)
-        ]
+        shape = (num_blocks, *block_shape)
+        self.layers = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self._release = None
+        if cuda:
+            registered = []
+            self._release = weakref.finalize(self, _unregister, registered)
+            for layer in self.layers:
+                _register(layer)
+                registered.append(layer.data_ptr())
+
+    def release(self) -> None:
+        """Unpin the host memory (CUDA); the pool must not be used afterwards. Idempotent, and
+        also done when the pool is garbage collected."""
+        if self._release is not None:
+            self.stream.synchronize()  # no copy may still read or write the memory
+            self._release()
 
     @property
     def num_blocks(self) -> int:

@@ -13,12 +13,17 @@ Python handler would not run while the rank waits inside a collective).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from fastdeploy.worker.gpu_worker import GpuWorker
+from fastdeploy.config import FDConfig
+from fastdeploy.distributed.parallel_state import TPGroup, warm_up_collectives
+from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion, workspace_bytes
+from fastdeploy.worker.gpu_worker import GpuWorker, resolve_dtype
 
 #: The worker methods rank 0 forwards, in the order the engine calls them (``execute_model`` once
 #: per step), and ``shutdown``, which ends the loop.
@@ -104,6 +109,7 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
         share_cpu_threads(local_ranks)
     tp = init_tp_group(rank, parallel.tensor_parallel_size, dist_init_addr, device_type)
     graph_plan = broadcast_step(None, tp)
+    tp = setup_communication(tp, config, graph_plan)
     worker = GpuWorker(config, graph_plan, tp=tp)
     # Any error propagates and ends the process (its traceback goes to this rank's log); rank 0
     # then finds the rank dead and names it.
@@ -112,7 +118,58 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
         getattr(worker, call.method)(*call.args)
         if call.method == "shutdown":
             break
+    release_communication(tp)
     destroy_tp_group()
+
+
+def setup_communication(tp: TPGroup, config: FDConfig, graph_plan: GraphPlan) -> TPGroup:
+    """What every rank sets up between joining the group and building its worker, at the same
+    point on every rank (rank 0 included), on CUDA: NCCL's communicator and buffers (one run of
+    each collective, :func:`~fastdeploy.distributed.parallel_state.warm_up_collectives`) and,
+    when the plan turned it on (rule 9), the fused all-reduce's IPC workspace, for the largest
+    step, attached to the group the model is built with.
+
+    Both live outside PyTorch's allocator and exist before the model loads, so the KV budget
+    (``GpuWorker.determine_available_memory``: device memory in use that PyTorch did not
+    reserve is taken out) counts them instead of running into them at the first step or capture.
+
+    Returns:
+        ``tp``, with ``allreduce_fusion`` set when the plan turned fusion on.
+    """
+    if config.device_config.device != "cuda" or tp.world_size == 1:
+        return tp
+    import torch
+
+    hf = config.model_source.hf_config
+    dtype = resolve_dtype(config.model_config.dtype, "cuda", hf)
+    largest = max(
+        [config.scheduler_config.max_num_batched_tokens, *graph_plan.prefill_capture_sizes]
+    )
+    free = torch.cuda.mem_get_info()[0]
+    warm_up_collectives(tp, (largest, hf.hidden_size), dtype)
+    nccl = max(free - torch.cuda.mem_get_info()[0], 0)  # 0 if the cache released more
+    fusion = 0
+    if graph_plan.allreduce_fusion:
+        max_tokens = graph_plan.allreduce_fusion_max_tokens
+        tp = dataclasses.replace(
+            tp, allreduce_fusion=AllReduceFusion.create(tp, max_tokens, hf.hidden_size, dtype)
+        )
+        fusion = workspace_bytes(tp.world_size, max_tokens, hf.hidden_size, dtype.itemsize)
+    logger.info(
+        "rank %d communication buffers outside PyTorch: NCCL %.0f MiB, fused all-reduce "
+        "workspace %.0f MiB (the KV budget counts both)",
+        tp.rank,
+        nccl / 2**20,
+        fusion / 2**20,
+    )
+    return tp
+
+
+def release_communication(tp: TPGroup) -> None:
+    """Free the fused all-reduce's workspace (collective: at a clean shutdown, every rank after
+    its worker released the graphs). Nothing to do without one."""
+    if tp.allreduce_fusion is not None:
+        tp.allreduce_fusion.destroy()
 
 
 def share_cpu_threads(local_ranks: int) -> None:

@@ -9,6 +9,7 @@ import ast
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -292,6 +293,37 @@ def test_two_nodes_on_one_host(model_dirs, tp1_tokens):
         assert node1.exitcode == 0
     finally:
         node1.kill()
+
+
+def test_second_node_through_the_cli(model_dirs, tp1_tokens):
+    """``fastdeploy serve --node-rank 1`` runs node 1's rank (``run_node``), no server: it binds
+    no port, follows node 0's engine and exits 0 when that engine shuts down."""
+    expected = tp1_tokens("qwen3")[0]
+    addr = f"127.0.0.1:{free_port()}"
+    busy = socket.socket()  # a server would refuse this --port; node 1 never binds it
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    args = ["--model", model_dirs["qwen3"], "--device", "cpu", "--tensor-parallel-size", "2",
+            "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+            "--skip-tokenizer-init", "--max-model-len", "256", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "32", "--block-size", "16", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(busy.getsockname()[1]),
+            "--log-level", "warning"]  # fmt: skip
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", *args], cwd=os.getcwd()
+    )
+    try:
+        multi = dict(ENGINE, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr)
+        llm = LLM(model_dirs["qwen3"], **multi)
+        try:
+            assert greedy_tokens(llm) == expected
+        finally:
+            stop(llm)
+        assert node1.wait(30) == 0
+    finally:
+        busy.close()
+        node1.kill()
+        node1.wait()
 
 
 def test_loaders_shard_safetensors_gguf_and_dummy_weights(model_dirs, tmp_path):

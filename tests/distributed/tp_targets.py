@@ -231,3 +231,81 @@ def node_main(node_rank: int, model: str, engine_kwargs: dict) -> None:
         model=model, node_rank=node_rank, **engine_kwargs
     ).create_engine_config()
     run_node(config)
+
+
+def fake_fused_allreduce(
+    *, allreduce_in, residual_in, residual_out, norm_out, rms_gamma, rms_eps, pattern_code, **_
+) -> None:
+    """A stand-in for flashinfer's ``trtllm_allreduce_fusion`` (pattern kARResidualRMSNorm) on
+    CPU: the same outputs from gloo all-reduce + residual add + float32 RMSNorm."""
+    import torch
+    import torch.distributed as dist
+
+    assert pattern_code == 1
+    summed = allreduce_in.clone()
+    dist.all_reduce(summed)
+    total = summed + residual_in
+    residual_out.copy_(total)
+    h = total.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + rms_eps)
+    norm_out.copy_(rms_gamma * h.to(total.dtype))
+
+
+def fusion_rank(rank: int, world: int, addr: str, out_dir: str) -> None:
+    """A tiny Llama with attention and MLP biases at TP=``world``, unfused and with the fused
+    all-reduce (a CPU stand-in op, workspace for 8 tokens): logits of a 5-token step (fused path)
+    and a 23-token step (the fallback) against the full model, and how often each path ran."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    from paged_runner import PagedRunner
+
+    from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
+    from fastdeploy.model_executor.models.registry import resolve_model_class
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+    )  # fmt: skip
+    tp = init_tp_group(rank, world, addr, "cpu", timeout_s=60)
+    try:
+        fusion = AllReduceFusion(tp, 8, cfg.hidden_size, op=fake_fused_allreduce)
+        cls = resolve_model_class(cfg)
+        full = cls(cfg, torch.float32).eval()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in full.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+        weights = full.hf_state_dict()
+        plain = cls(cfg, torch.float32, tp=tp).eval()
+        plain.load_weights(weights.items())
+        fused = cls(cfg, torch.float32, tp=dataclasses.replace(tp, allreduce_fusion=fusion)).eval()
+        fused.load_weights(weights.items())
+        result = {"reduce": [fused.layers[0].o_proj.reduce, fused.layers[0].mlp.reduce]}
+        with torch.inference_mode():
+            for n in (5, 23):
+                prompt = [int(t) for t in torch.randint(3, 250, (n,), generator=g)]
+                _, ref = PagedRunner(full).step([("a", prompt)])
+                _, unfused = PagedRunner(plain).step([("a", prompt)])
+                before = (fusion.num_fused, fusion.num_fallback)
+                _, got = PagedRunner(fused).step([("a", prompt)])
+                result[n] = {
+                    "diff": (ref - got).abs().max().item(),
+                    "diff_unfused": (ref - unfused).abs().max().item(),
+                    "fused": fusion.num_fused - before[0],
+                    "fallback": fusion.num_fallback - before[1],
+                }
+            result["greedy"] = [
+                PagedRunner(m).generate_greedy("b", list(range(3, 30)), 6, set())[0]
+                for m in (full, fused)
+            ]
+        with open(os.path.join(out_dir, f"fusion{rank}.txt"), "w") as f:
+            f.write(repr(result))
+    finally:
+        destroy_tp_group()

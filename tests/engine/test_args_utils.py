@@ -63,13 +63,14 @@ def test_cli_round_trip():
         "--gpu-memory-utilization", "0.8",
         "--num-gpu-blocks-override", "100",
         "--no-enable-chunked-prefill",
-        "--no-enable-prefix-caching",
         "--dtype", "bfloat16",
         "--load-format", "safetensors",
         "--seed", "7",
         "--graph-optimization-config", GRAPH_JSON,
         "--splitwise-role", "prefill",
         "--swap-space", "2",
+        "--swap-in-mode", "layerwise",
+        "--host-store-policy", "all",
         "--tensor-parallel-size", "2",
         "--device", "cuda",
         "--attention-backend", "flashinfer",
@@ -84,13 +85,14 @@ def test_cli_round_trip():
         gpu_memory_utilization=0.8,
         num_gpu_blocks_override=100,
         enable_chunked_prefill=False,
-        enable_prefix_caching=False,
         dtype="bfloat16",
         load_format="safetensors",
         seed=7,
         graph_optimization_config={"full_cuda_graph": True, "cudagraph_capture_sizes": [1, 8]},
         splitwise_role="prefill",
         swap_space=2.0,
+        swap_in_mode="layerwise",
+        host_store_policy="all",
         tensor_parallel_size=2,
         device="cuda",
         attention_backend="flashinfer",
@@ -104,6 +106,7 @@ def test_cli_round_trip():
 def test_cli_bool_flags_both_ways():
     assert parse("--enable-chunked-prefill").enable_chunked_prefill is True
     assert parse("--no-enable-chunked-prefill").enable_chunked_prefill is False
+    assert parse("--no-enable-prefix-caching").enable_prefix_caching is False
 
 
 def test_cli_ignores_other_namespace_attributes():
@@ -209,7 +212,14 @@ def test_device_and_backend_are_resolved_before_the_policy(monkeypatch):
             {"splitwise_role": "decode", "tensor_parallel_size": 2},
             "splitwise_role='decode' with tensor_parallel_size=2 is not supported yet",
         ),
-        ({"swap_space": 4}, "swap_space=4 is not supported yet"),
+        (
+            {"swap_space": 4, "tensor_parallel_size": 2},
+            "swap_space=4 with tensor_parallel_size=2 is not supported yet",
+        ),
+        (
+            {"swap_space": 4, "splitwise_role": "decode"},
+            "swap_space=4 with splitwise_role='decode' is not supported yet",
+        ),
     ],
 )
 def test_check_supported(kwargs, message):
@@ -218,16 +228,36 @@ def test_check_supported(kwargs, message):
     EngineArgs().create_engine_config(source(8192)).check_supported()
     for role in ("prefill", "decode"):  # PD roles run (tests/splitwise)
         EngineArgs(splitwise_role=role).create_engine_config(source(8192)).check_supported()
+    for mode in ("request", "layerwise"):  # the host tier runs (tests/engine/test_host_tier*)
+        args = EngineArgs(swap_space=4, swap_in_mode=mode, host_store_policy="all")
+        args.create_engine_config(source(8192)).check_supported()
+    EngineArgs(swap_space=4, splitwise_role="prefill").create_engine_config(
+        source(8192)
+    ).check_supported()
+
+
+def test_swap_space_needs_prefix_caching():
+    with pytest.raises(ValueError, match=r"swap_space=4 is invalid; allowed: 0 when enable_pre"):
+        EngineArgs(swap_space=4, enable_prefix_caching=False).create_engine_config(source(8192))
 
 
 def test_unsupported_config_still_resolves_a_plan(monkeypatch):
     """``--print-config`` must show a prefill node's plan: create_engine_config does not refuse."""
     monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
     monkeypatch.delenv("FD_BLOCK_WISE_CUDA_GRAPH_SIZES", raising=False)
-    args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2, device="cuda")
+    args = EngineArgs(
+        splitwise_role="prefill",
+        swap_space=4,
+        swap_in_mode="layerwise",
+        tensor_parallel_size=2,
+        device="cuda",
+    )
     plan = resolve_graph_plan(args.create_engine_config(source(8192)))
     assert not plan.decode_graphs and not plan.prefill_graphs
-    assert any("swap_space=4 GiB" in r for r in plan.reasons)
+    assert any("swap_space=4 GiB" in r and "layer by layer" in r for r in plan.reasons)
+    args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2, device="cuda")
+    plan = resolve_graph_plan(args.create_engine_config(source(8192)))  # swap_in_mode=request
+    assert plan.prefill_graphs and any("prefill graphs stay on" in r for r in plan.reasons)
     config = EngineArgs(splitwise_role="prefill", device="cuda").create_engine_config(source(64))
     plan = resolve_graph_plan(config)
     assert plan.prefill_graphs and not plan.decode_graphs

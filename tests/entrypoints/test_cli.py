@@ -65,9 +65,21 @@ def test_bad_port_is_an_argparse_error(capsys):
     assert "--port='99999' is invalid; allowed: 0..65535" in capsys.readouterr().err
 
 
-def test_print_config_of_a_prefill_node_with_swap_space_on_cuda(capsys, monkeypatch):
-    """The plan of a deployment that this build cannot run yet is still printed, with the
-    policy's reasons and what is not supported yet (spec rule 7 on the prefill-node path)."""
+PREFILL_PATHS = {
+    "mixed": [],
+    "prefill_node": ["--splitwise-role", "prefill", "--graph-optimization-config",
+                     '{"full_cuda_graph": false}'],
+    "cudagraph_only_prefill": ["--graph-optimization-config", '{"cudagraph_only_prefill": true}'],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "request"])
+@pytest.mark.parametrize("path", list(PREFILL_PATHS))
+def test_print_config_with_swap_space_on_cuda(capsys, monkeypatch, path, mode):
+    """Spec rule 7 on every path that turns prefill graphs on (the default, a prefill node,
+    cudagraph_only_prefill): a layer-by-layer host tier turns them off and --print-config says
+    why; request-mode swap-ins keep them on, and say that too. Both run (nothing is "not
+    supported yet")."""
     import json
 
     from fastdeploy.config import FDConfig
@@ -75,17 +87,23 @@ def test_print_config_of_a_prefill_node_with_swap_space_on_cuda(capsys, monkeypa
 
     monkeypatch.delenv("FD_USE_BLOCK_WISE_CUDA_GRAPH", raising=False)
     args = build_parser().parse_args(
-        ["serve", "--print-config", "--device", "cuda", "--splitwise-role", "prefill",
-         "--swap-space", "4", "--graph-optimization-config", '{"full_cuda_graph": false}']
+        ["serve", "--print-config", "--device", "cuda", "--swap-space", "4",
+         "--swap-in-mode", mode, *PREFILL_PATHS[path]]
     )  # fmt: skip
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
     plan = out["graph_plan"]
-    assert not plan["decode_graphs"] and not plan["prefill_graphs"]
-    assert any("swap_space" in r for r in plan["reasons"])
-    assert "swap_space" in out["not_supported_yet"]
-    assert "splitwise_role" not in out["not_supported_yet"]
-    assert FDConfig.from_dict(out["config"]).parallel_config.splitwise_role == "prefill"
+    reasons = [r for r in plan["reasons"] if "swap_space=4 GiB" in r]
+    assert len(reasons) == 1, plan["reasons"]  # one line, about prefill graphs only
+    if mode == "layerwise":
+        assert not plan["prefill_graphs"]
+        assert reasons[0].startswith("prefill graphs off") and "layer by layer" in reasons[0]
+    else:
+        assert plan["prefill_graphs"]
+        assert reasons[0].startswith("prefill graphs stay on: swap_in_mode=request")
+    assert out["not_supported_yet"] is None
+    config = FDConfig.from_dict(out["config"])
+    assert config.cache_config.swap_in_mode == mode and config.cache_config.swap_space == 4
 
 
 def test_print_config_resolves_the_backend_before_the_plan(capsys, monkeypatch):

@@ -39,6 +39,7 @@ def make_config(
     max_num_batched_tokens: int = 512,
     splitwise_role: str = "mixed",
     swap_space: float = 0,
+    swap_in_mode: str = "request",
     platform: str = "cuda",
     **graph: object,
 ) -> FDConfig:
@@ -47,7 +48,7 @@ def make_config(
         device_config=DeviceConfig(
             device=platform, attention_backend=get_platform(platform).default_attention_backend
         ),
-        cache_config=CacheConfig(swap_space=swap_space),
+        cache_config=CacheConfig(swap_space=swap_space, swap_in_mode=swap_in_mode),
         parallel_config=ParallelConfig(splitwise_role=splitwise_role),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -134,8 +135,8 @@ def test_rule6_cudagraph_only_prefill_turns_decode_off():
     assert has_reason(plan, "decode graphs off", "cudagraph_only_prefill=true")
 
 
-def test_rule7_swap_space_turns_prefill_off_decode_unaffected():
-    plan = resolve_graph_plan(make_config(swap_space=4))
+def test_rule7_layerwise_swap_in_turns_prefill_off_decode_unaffected():
+    plan = resolve_graph_plan(make_config(swap_space=4, swap_in_mode="layerwise"))
     assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert has_reason(plan, "prefill graphs off", "host KV tier", "swap_space=4 GiB", "layer by")
@@ -143,7 +144,9 @@ def test_rule7_swap_space_turns_prefill_off_decode_unaffected():
 
 def test_rule7_applies_to_prefill_node_path():
     """The combination the upstream change missed: prefill node + swap space + piecewise."""
-    config = make_config(splitwise_role="prefill", swap_space=2.5, full_cuda_graph=False)
+    config = make_config(
+        splitwise_role="prefill", swap_space=2.5, swap_in_mode="layerwise", full_cuda_graph=False
+    )
     plan = resolve_graph_plan(config)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
     assert not plan.decode_graphs
@@ -152,9 +155,33 @@ def test_rule7_applies_to_prefill_node_path():
 
 
 def test_rule7_applies_to_cudagraph_only_prefill_path():
-    plan = resolve_graph_plan(make_config(cudagraph_only_prefill=True, swap_space=1))
+    plan = resolve_graph_plan(
+        make_config(cudagraph_only_prefill=True, swap_space=1, swap_in_mode="layerwise")
+    )
     assert not plan.any_graphs
-    assert has_reason(plan, "prefill graphs off", "swap_space=1 GiB")
+    assert has_reason(plan, "prefill graphs off", "swap_space=1 GiB", "layerwise")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"splitwise_role": "prefill"}, {"cudagraph_only_prefill": True}],
+    ids=["mixed", "prefill_node", "cudagraph_only_prefill"],
+)
+def test_rule7_request_swap_in_keeps_prefill_graphs_with_a_reason(kwargs):
+    """swap_in_mode=request (the default) lands copies before a request's first step: prefill
+    graphs stay on on every path, and the plan says why."""
+    plan = resolve_graph_plan(make_config(swap_space=4, **kwargs))
+    assert plan.prefill_graphs and plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
+    assert has_reason(plan, "prefill graphs stay on", "swap_in_mode=request", "swap_space=4 GiB")
+    assert not has_reason(plan, "prefill graphs off")
+
+
+def test_rule7_reason_only_where_it_decides():
+    """No host tier: no rule-7 line; prefill graphs already off for another reason: no claim
+    that they stay on."""
+    assert not has_reason(resolve_graph_plan(make_config()), "swap_in_mode")
+    plan = resolve_graph_plan(make_config(swap_space=4, full_cuda_graph=True))
+    assert not plan.prefill_graphs and not has_reason(plan, "stay on")
 
 
 def test_rule8_default_ladders_capped():

@@ -122,9 +122,7 @@ def test_decode_pool_too_small_waits_then_completes_or_503(tmp_path):
             thread = threading.Thread(target=run_hog)
             thread.start()
             wait_until(
-                lambda url=decode.url: _assert(
-                    metrics(url)["fastdeploy:num_free_kv_blocks"] == 0
-                ),
+                lambda url=decode.url: _assert(metrics(url)["fastdeploy:num_free_kv_blocks"] == 0),
                 30,
             )
             body = completion_body(100, False)

@@ -191,13 +191,16 @@ def run_server(args: argparse.Namespace) -> int:
 
             engine_args = EngineArgs.from_cli_args(args)
             check_device_available(engine_args.resolve_device())
-            check_port_free(args.host, args.port)
+            if engine_args.node_rank == 0:  # other nodes serve nothing
+                check_port_free(args.host, args.port)
             if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:
                 check_port_free(engine_args.pd_host, engine_args.pd_comm_port, "--pd-comm-port")
         config, plan = resolve(args)
         if args.print_config:
             print(json.dumps(resolved_config(args, config, plan), indent=2))
             return 0
+        if config.parallel_config.node_rank > 0:
+            return run_other_node(config)
         from fastdeploy.engine.engine import LLMEngine
 
         core = LLMEngine(config, plan)
@@ -228,6 +231,33 @@ def run_server(args: argparse.Namespace) -> int:
     GracefulServer(config, engine, args.timeout_graceful_shutdown).run()
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
+    return 0
+
+
+def run_other_node(config: FDConfig) -> int:
+    """``--node-rank K`` with K > 0: run this node's tensor-parallel ranks, which join rank 0
+    (node 0's server) at ``--dist-init-addr`` and follow its steps; no HTTP server here. Returns
+    0 once rank 0 shut them down, 1 when one of them failed (its traceback is in this log).
+
+    Raises:
+        ValueError: a setting not supported yet, or no ``--dist-init-addr``.
+    """
+    from fastdeploy.distributed.launcher import RankDiedError
+    from fastdeploy.worker.executor import run_node
+
+    config.check_supported()
+    parallel = config.parallel_config
+    logger.info(
+        "node %d of %d: running tensor-parallel ranks, rank 0 at %s (no server on this node)",
+        parallel.node_rank,
+        parallel.nnodes,
+        parallel.dist_init_addr,
+    )
+    try:
+        run_node(config)
+    except RankDiedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

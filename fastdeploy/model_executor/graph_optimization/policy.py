@@ -16,9 +16,14 @@ that users can read (startup log, ``--print-config``). The rules are numbered as
    no);
 5. ``splitwise_role="decode"`` -> prefill graphs off;
 6. ``cudagraph_only_prefill=true`` -> decode graphs off;
-7. a host KV tier (``swap_space > 0``) -> prefill graphs off, whichever path turned them on;
+7. a host KV tier that swaps in layer by layer (``swap_space > 0`` with
+   ``swap_in_mode="layerwise"``) -> prefill graphs off, whichever path turned them on; with
+   ``swap_in_mode="request"`` they stay on and the plan says why;
 8. bucket lists: explicit ones as given, default ladders capped at ``max_num_seqs`` (decode) and
    ``max_num_batched_tokens`` (prefill).
+9. tensor parallelism: the fused all-reduce + residual add + RMSNorm is on only with
+   ``enable_flashinfer_allreduce_fusion``, on CUDA, on one host and where flashinfer's comm module
+   imports; its workspace holds the largest step (:func:`_allreduce_fusion`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ class GraphPlan:
         full_cuda_graph: the configured ``full_cuda_graph`` (prefill/mixed steps run eagerly).
         graph_opt_level: 0 eager segments, 1 ``torch.compile``d segments, 2 with max-autotune.
         reasons: one readable sentence per feature the policy turned off.
+        allreduce_fusion: rule 9, the fused all-reduce + residual add + RMSNorm is on (a reason
+            line says why it is on or off under tensor parallelism).
+        allreduce_fusion_max_tokens: the tokens its workspace holds (0 when off): the largest
+            step the engine can run, so no step falls back to the unfused path.
     """
 
     decode_graphs: bool
@@ -69,6 +78,8 @@ class GraphPlan:
     full_cuda_graph: bool
     graph_opt_level: int
     reasons: list[str] = field(default_factory=list)
+    allreduce_fusion: bool = False
+    allreduce_fusion_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         for on, name in (
@@ -194,6 +205,7 @@ def _switch_reasons(config: FDConfig) -> tuple[bool, bool, list[str]]:
     graph = config.graph_opt_config
     role = config.parallel_config.splitwise_role
     swap_space = config.cache_config.swap_space
+    swap_in_mode = config.cache_config.swap_in_mode
     platform = get_platform(config.device_config.device)
     backend = get_attention_backend_cls(config.device_config.attention_backend)
     if not platform.can_capture_graphs:
@@ -234,12 +246,19 @@ def _switch_reasons(config: FDConfig) -> tuple[bool, bool, list[str]]:
             f"CUDA graph ({hint})"
         )
     # Rule 7 comes after every rule that can leave prefill graphs on (default, 4, 6).
-    if swap_space > 0 and prefill:
+    if swap_space > 0 and swap_in_mode == "layerwise" and prefill:
         prefill = False
         reasons.append(
-            f"prefill graphs off: a host KV tier is configured (swap_space={swap_space:g} GiB); "
-            "host blocks are swapped in layer by layer inside the forward, which a captured "
-            "graph cannot wait for"
+            f"prefill graphs off: a host KV tier swaps blocks in layer by layer "
+            f"(swap_space={swap_space:g} GiB, swap_in_mode=layerwise); the forward waits for each "
+            "layer's host-to-device copy inside it, which a captured graph cannot do "
+            "(swap_in_mode=request keeps them on)"
+        )
+    elif swap_space > 0 and prefill:
+        reasons.append(
+            f"prefill graphs stay on: swap_in_mode=request (swap_space={swap_space:g} GiB) "
+            "finishes a request's host-to-device copies before its first step, so no forward "
+            "waits for a copy"
         )
     if not decode and not prefill:
         if role == "prefill" and graph.full_cuda_graph:
@@ -251,6 +270,58 @@ def _switch_reasons(config: FDConfig) -> tuple[bool, bool, list[str]]:
         else:
             reasons.append("nothing to capture: every step runs eagerly (see the reasons above)")
     return decode, prefill, reasons
+
+
+def _allreduce_fusion(config: FDConfig, prefill_sizes: list[int]) -> tuple[bool, int, str | None]:
+    """Rule 9: ``(on, workspace tokens, reason line)`` of the fused all-reduce + residual add +
+    RMSNorm. No reason line with one rank unless the flag asks for it (nothing to report)."""
+    from fastdeploy.model_executor.layers import allreduce_fusion as fusion
+
+    parallel = config.parallel_config
+    world, device = parallel.tensor_parallel_size, config.device_config.device
+    if world == 1 and not parallel.enable_flashinfer_allreduce_fusion:
+        return False, 0, None
+    if world == 1:
+        why = "tensor_parallel_size=1 has no all-reduce"
+    elif not parallel.enable_flashinfer_allreduce_fusion:
+        why = (
+            "enable_flashinfer_allreduce_fusion=false; row-parallel outputs take NCCL "
+            "all-reduce, then the residual add and RMSNorm"
+        )
+    elif device != "cuda":
+        why = f"platform {device!r}: flashinfer's fused all-reduce needs CUDA"
+    elif parallel.nnodes > 1:
+        why = (
+            f"nnodes={parallel.nnodes}: its workspace is shared through CUDA IPC, which needs "
+            "every rank on one host"
+        )
+    elif world not in fusion.FUSION_WORLD_SIZES:
+        sizes = ", ".join(map(str, fusion.FUSION_WORLD_SIZES))
+        why = f"tensor_parallel_size={world}; flashinfer fuses for {sizes} ranks"
+    else:
+        why = fusion.fusion_unavailable()
+    if why is not None:
+        return False, 0, f"allreduce fusion off: {why}"
+    budget = config.scheduler_config.max_num_batched_tokens
+    check(
+        budget is not None,
+        "max_num_batched_tokens",
+        budget,
+        "a resolved integer (build the config with EngineArgs.create_engine_config)",
+    )
+    max_tokens = max([budget, *prefill_sizes])
+    hf = getattr(config.model_source, "hf_config", None)
+    size = ""
+    if hf is not None:
+        mib = fusion.workspace_bytes(world, max_tokens, hf.hidden_size) / 2**20
+        size = f", about {mib:.0f} MiB per rank"
+    reason = (
+        "allreduce fusion on: flashinfer trtllm_allreduce_fusion (all-reduce + residual add + "
+        f"RMSNorm in one kernel), workspace for {max_tokens} tokens (the largest step: "
+        f"max_num_batched_tokens={budget}, largest prefill bucket "
+        f"{max(prefill_sizes, default=0)}){size}"
+    )
+    return True, max_tokens, reason
 
 
 def resolve_graph_plan(config: FDConfig) -> GraphPlan:
@@ -304,6 +375,7 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
             if explicit
             else default_prefill_sizes(graph.max_capture_shape_prefill, budget)
         )
+    fusion, fusion_tokens, fusion_reason = _allreduce_fusion(config, prefill_sizes)  # rule 9
     return GraphPlan(
         decode_graphs=decode,
         prefill_graphs=prefill,
@@ -311,5 +383,7 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
         prefill_capture_sizes=prefill_sizes,
         full_cuda_graph=graph.full_cuda_graph,
         graph_opt_level=graph.graph_opt_level,
-        reasons=reasons,
+        reasons=reasons + ([fusion_reason] if fusion_reason else []),
+        allreduce_fusion=fusion,
+        allreduce_fusion_max_tokens=fusion_tokens,
     )

@@ -136,7 +136,9 @@ class RowParallelLinear(Linear):
         input_size: full input features (each rank gets ``input_size / N``).
         output_size, bias, dtype: as :class:`Linear`.
         tp: the tensor-parallel group.
-        reduce: False leaves the all-reduce to the caller (a fused all-reduce + norm).
+        reduce: False returns this rank's partial sum and leaves the all-reduce to the caller
+            (the fused all-reduce + residual add + RMSNorm); the bias then goes into rank 0's
+            partial sum only, so that the sum holds it once (as vLLM's ``RowParallelLinear``).
     """
 
     def __init__(
@@ -155,9 +157,9 @@ class RowParallelLinear(Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.reduce:
-            y = all_reduce(y, self.tp)
+        if not self.reduce:
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = all_reduce(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
     def load_weight(

@@ -8,6 +8,12 @@ their own files.
 The forward pass is written as pieces so that piecewise CUDA graphs can split it at attention
 without ``torch.compile``: ``embed``, then per layer ``pre_attention`` -> ``attn`` ->
 ``post_attention``, then ``final_norm``. :meth:`DecoderForCausalLM.forward` is exactly that.
+
+Under tensor parallelism with the fused all-reduce (``TPGroup.allreduce_fusion``), ``o_proj`` and
+the MLP's ``down_proj`` return their rank's partial sums, and the norm that follows each of them
+(post-attention, the next layer's input norm, the final norm) all-reduces, adds the residual and
+normalises in one kernel; the hidden states between ``post_attention`` and the next
+``pre_attention`` are then partial sums.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.activation import SiluAndMul
+from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
 from fastdeploy.model_executor.layers.attention.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
 from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
@@ -92,7 +99,8 @@ class DecoderMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, ``[T, hidden]`` -> ``[T, hidden]``.
 
     With a tensor-parallel group ``tp`` the intermediate size is split across ranks
-    (column-parallel gate/up, row-parallel down with one all-reduce).
+    (column-parallel gate/up, row-parallel down with one all-reduce). ``reduce=False`` leaves that
+    all-reduce to the next norm (the fused all-reduce): the output is this rank's partial sum.
     """
 
     def __init__(
@@ -102,16 +110,19 @@ class DecoderMLP(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         tp: TPGroup | None = None,
+        reduce: bool = True,
     ):
         super().__init__()
+        self.reduce = reduce
         if tp is not None and tp.world_size > 1:
             self.gate_up_proj = MergedColumnParallelLinear(
                 hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype, tp=tp
             )
             self.down_proj = RowParallelLinear(
-                intermediate_size, hidden_size, bias=bias, dtype=dtype, tp=tp
+                intermediate_size, hidden_size, bias=bias, dtype=dtype, tp=tp, reduce=reduce
             )
         else:
+            self.reduce = True  # one rank: the output is the whole sum
             self.gate_up_proj = MergedLinear(
                 hidden_size, [intermediate_size] * 2, [0, 1], bias=bias, dtype=dtype
             )
@@ -129,7 +140,12 @@ class DecoderLayer(nn.Module):
     None only entering the first layer. ``mlp`` replaces the dense SwiGLU MLP (a mixture of
     experts, say): any module ``[T, hidden]`` -> ``[T, hidden]``. With a tensor-parallel group
     ``tp`` the layer holds ``num_heads / N`` query and ``num_kv_heads / N`` KV heads (the
-    numbers must divide) and its output projection all-reduces.
+    numbers must divide) and its output projection all-reduces; with ``tp.allreduce_fusion`` that
+    all-reduce moves into the norms (module docstring), and ``mlp`` must then return partial sums
+    (a :class:`DecoderMLP` with ``reduce=False``).
+
+    Raises:
+        ValueError: the fused all-reduce with an MLP that reduces its own output.
     """
 
     def __init__(
@@ -149,6 +165,8 @@ class DecoderLayer(nn.Module):
         self.head_dim = _head_dim(cfg)
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         sharded = tp is not None and tp.world_size > 1
+        self.allreduce_fusion: AllReduceFusion | None = tp.allreduce_fusion if sharded else None
+        fused = self.allreduce_fusion is not None
         if sharded:
             self.qkv_proj = QKVParallelLinear(
                 hidden, self.head_dim, heads, kv_heads, flags.qkv_bias, dtype, tp=tp
@@ -163,14 +181,33 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
         if sharded:
             self.o_proj = RowParallelLinear(
-                heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype, tp=tp
+                heads * self.head_dim,
+                hidden,
+                bias=flags.o_proj_bias,
+                dtype=dtype,
+                tp=tp,
+                reduce=not fused,
             )
         else:
             self.o_proj = Linear(heads * self.head_dim, hidden, bias=flags.o_proj_bias, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         if mlp is None:
-            mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype, tp)
+            mlp = DecoderMLP(hidden, cfg.intermediate_size, flags.mlp_bias, dtype, tp, not fused)
+        if fused and getattr(mlp, "reduce", True):
+            raise ValueError(
+                f"layer {layer_idx}: the fused all-reduce needs an MLP that returns partial sums "
+                f"(DecoderMLP with reduce=False); got {type(mlp).__name__}"
+            )
         self.mlp = mlp
+
+    def _add_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with the fused all-reduce ``x`` is this rank's
+        partial sum and is all-reduced first, in the same kernel."""
+        if self.allreduce_fusion is None:
+            return norm(x, residual)
+        return self.allreduce_fusion(x, residual, norm)
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
@@ -190,7 +227,7 @@ class DecoderLayer(nn.Module):
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self._add_norm(self.input_layernorm, hidden_states, residual)
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None:
             q = self._head_norm(self.q_norm, q)
@@ -211,7 +248,9 @@ class DecoderLayer(nn.Module):
             output is left to the next layer's input norm (or :meth:`final_norm`).
         """
         hidden_states = self.o_proj(attn_output)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self._add_norm(
+            self.post_attention_layernorm, hidden_states, residual
+        )
         return self.mlp(hidden_states), residual
 
 
@@ -223,7 +262,8 @@ class DecoderForCausalLM(nn.Module):
         dtype: parameter and activation dtype.
         tp: the tensor-parallel group (None or one rank: unsharded). Each rank holds
             ``1/N`` of the heads, the MLP and the vocabulary; :meth:`load_weights` takes the
-            full checkpoint tensors and keeps this rank's part.
+            full checkpoint tensors and keeps this rank's part. ``tp.allreduce_fusion`` moves
+            the row-parallel all-reduces into the norms (module docstring).
 
     Raises:
         ValueError: ``hidden_act`` other than ``silu``, an unsupported RoPE type, or a head
@@ -251,7 +291,12 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(self, hf_config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``; subclasses override (experts)."""
         return DecoderMLP(
-            hf_config.hidden_size, hf_config.intermediate_size, self.flags.mlp_bias, dtype, self.tp
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            self.flags.mlp_bias,
+            dtype,
+            self.tp,
+            reduce=self.allreduce_fusion is None,
         )
 
     def __init__(
@@ -259,6 +304,7 @@ class DecoderForCausalLM(nn.Module):
     ):
         super().__init__()
         self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.allreduce_fusion = None if self.tp is None else self.tp.allreduce_fusion
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; supported: 'silu'")
@@ -306,8 +352,11 @@ class DecoderForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The last residual add and the final norm: ``[T, hidden_size]`` each -> the same."""
-        return self.norm(hidden_states, residual)[0]
+        """The last residual add and the final norm: ``[T, hidden_size]`` each -> the same
+        (``hidden_states`` a partial sum under the fused all-reduce, which reduces it here)."""
+        if self.allreduce_fusion is None:
+            return self.norm(hidden_states, residual)[0]
+        return self.allreduce_fusion(hidden_states, residual, self.norm)[0]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_meta: ForwardMeta

@@ -34,13 +34,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write K/V to this layer's cache and attend.
 
+        With ``forward_meta.layer_events`` (a layer-by-layer host-tier swap-in), the device
+        stream first waits on this layer's event, so the cache is read only after its copy
+        landed; earlier layers ran meanwhile and no host thread waits.
+
         Args:
             q: ``[T, num_heads * head_dim]``; k, v: ``[T, num_kv_heads * head_dim]``.
-            forward_meta: the step's state (backend, metadata, KV caches).
+            forward_meta: the step's state (backend, metadata, KV caches, layer events).
 
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype.
         """
+        if forward_meta.layer_events is not None:
+            forward_meta.layer_events[self.layer_idx].wait()
         return forward_meta.attn_backend.forward(
             q, k, v, forward_meta.kv_caches[self.layer_idx], forward_meta.attn_metadata
         )
