@@ -50,6 +50,8 @@ from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig, check
 from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from fastdeploy.scheduler.remote_kv import RemoteKVMixin
+from fastdeploy.scheduler.swap_in import SwapInMixin
 
 
 class InsufficientKVCacheError(RuntimeError):
@@ -65,7 +67,7 @@ class InsufficientKVCacheError(RuntimeError):
         self.request_id = request_id
 
 
-class Scheduler:
+class Scheduler(RemoteKVMixin, SwapInMixin):
     """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
 
     Args:
@@ -170,6 +172,11 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already scheduled")
+        if rid in self._cancelled_loads:
+            raise ValueError(
+                f"request id {rid!r} is invalid: an aborted request with this id still waits for "
+                "its KV pull to stop; allowed: a fresh id"
+            )
         try:
             check_prompt_length(request.num_prompt_tokens, self.max_model_len)
         except ValueError as e:
@@ -209,87 +216,6 @@ class Scheduler:
             return True
         self._remove(request, RequestStatus.FINISHED_ABORTED)
         return True
-
-    # ------------------------------------------------------------ host KV tier
-    def swap_in_landed(self, request: Request) -> None:
-        """The host-tier copies into ``request``'s blocks landed. A request waiting for them
-        runs from its next step (the swapped-in blocks enter the device prefix cache); one
-        aborted meanwhile frees its parked blocks now; for any other (``layerwise``: already
-        running or finished) nothing changes."""
-        if request in self._cancelled_swap_ins:
-            self._cancelled_swap_ins.discard(request)
-            self.kv_cache_manager.free(request)
-            return
-        if self.waiting_for_swap_in.get(request.request_id) is not request:
-            return
-        del self.waiting_for_swap_in[request.request_id]
-        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-
-    @property
-    def num_cancelled_swap_ins(self) -> int:
-        """Aborted requests whose blocks wait for their swap-in to land."""
-        return len(self._cancelled_swap_ins)
-
-    # ------------------------------------------------------------ PD decode node
-    def take_new_remote_loads(self) -> list[Request]:
-        """Requests that entered ``WAITING_FOR_REMOTE_KV`` since the last call (the engine
-        starts their pulls)."""
-        loads, self._new_remote_loads = self._new_remote_loads, []
-        return [r for r in loads if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
-
-    def remote_kv_loaded(self, request_id: str, first_token_id: int | None) -> Request | None:
-        """The prompt's KV landed: the prompt counts as computed (its full blocks are cached),
-        the prefill node's first token is appended, and the request runs from its next step.
-        With ``first_token_id=None`` the last prompt token counts as not computed, so the next
-        step recomputes it and samples the first token here. Returns the request, or None when
-        it is no longer waiting (aborted meanwhile)."""
-        request = self.waiting_for_remote_kv.pop(request_id, None)
-        if request is None:
-            return None
-        request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
-        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-        if first_token_id is not None:
-            request.output_token_ids.append(first_token_id)
-            request.first_token_time = time.monotonic()
-        request.remote_prefill = None
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        return request
-
-    def remote_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
-        """The pull failed. With ``recompute`` the request drops its blocks (none were cached)
-        and goes to the front of the waiting queue as a local request (it prefills here);
-        otherwise it stays out of every queue for the engine to finish. Returns the request, or
-        None when it is no longer waiting."""
-        request = self.waiting_for_remote_kv.pop(request_id, None)
-        if request is None:
-            return None
-        if recompute:
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_cached_tokens = 0
-            request.remote_prefill = None
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-        else:
-            self.running.append(request)  # so that finish_request() removes it as usual
-            request.status = RequestStatus.RUNNING
-        return request
-
-    def release_cancelled(self, request_id: str) -> bool:
-        """The pull of an aborted request ended: free its parked blocks. False if unknown."""
-        request = self._cancelled_loads.pop(request_id, None)
-        if request is None:
-            return False
-        self.kv_cache_manager.free(request)
-        return True
-
-    @property
-    def num_cancelled_loads(self) -> int:
-        """Aborted decode-leg requests whose blocks wait for their pull to end."""
-        return len(self._cancelled_loads)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """The engine decided ``request`` stopped: free its blocks and set ``status``.
