@@ -116,7 +116,7 @@ class CacheConfig:
         )
         check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
         check(
-            is_number(self.swap_space) and self.swap_space >= 0,
+            is_number(self.swap_space) and 0 <= self.swap_space < float("inf"),
             "swap_space",
             self.swap_space,
             "a number of GiB >= 0",
@@ -243,7 +243,7 @@ class SplitwiseConfig:
         )
         for name in ("pd_lease_s", "pd_decode_wait_timeout", "pd_transfer_timeout"):
             value = getattr(self, name)
-            check(is_number(value) and value > 0, name, value, "seconds > 0")
+            check(is_number(value) and 0 < value < float("inf"), name, value, "finite seconds > 0")
 
 
 @dataclass

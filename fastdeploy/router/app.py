@@ -305,6 +305,7 @@ class _Legs:
         leg = copy.deepcopy(body)
         leg["kv_transfer_params"] = {"do_remote_decode": True}
         leg["max_tokens"] = 1
+        leg.pop("min_tokens", None)  # the prefill node samples one unconstrained token
         leg.pop("max_completion_tokens", None)
         leg["stream"] = False
         leg.pop("stream_options", None)

@@ -121,11 +121,21 @@ class RemoteKVLoader:
             r.remote_host, r.remote_port, op, [r.remote_request_id], self.control_timeout_s
         )
 
+    def _abort_quietly(self, job: PullJob) -> None:
+        try:
+            self._control("ABORT", job)
+        except SideChannelError as e:  # the prefill node frees them at lease expiry anyway
+            logger.warning("request %s: %s", job.request_id, e)
+
     def _run(self, job: PullJob) -> None:
         start = time.monotonic()
         error, num_bytes = None, 0
+        error, num_bytes = "transfer: the pull thread failed", 0
         try:
             error, num_bytes = self._claim_and_pull(job)
+        except Exception as e:  # noqa: BLE001 - never report an unfinished pull as a success
+            logger.exception("request %s: pull failed", job.request_id)
+            error = f"transfer: {type(e).__name__}: {e}"
         finally:
             with self._lock:
                 self._transfers.pop(job.request_id, None)
@@ -146,23 +156,37 @@ class RemoteKVLoader:
                 logger.warning("request %s: %s", job.request_id, e)
             return None, 0
         try:
-            self._control("CLAIM", job)
+            reply = self._control("CLAIM", job)
         except SideChannelError as e:
             return f"claim: {e}", 0
         remote = job.remote
         skip = job.skip_blocks
-        with self._lock:
-            if job.request_id in self._cancelled:
-                transfer = None
-            else:
-                transfer = self.transport.start_pull(
-                    job.request_id,
-                    remote.transport,
-                    remote.remote_block_ids[skip:],
-                    job.local_block_ids[skip:],
-                    job.timeout_s,
-                )
-                self._transfers[job.request_id] = transfer
+        # Read the blocks the prefill node says it holds for this request, never the ids the
+        # client passed along (a forged list could read, and cache, other requests' KV).
+        claimed = (reply.get("block_ids") or {}).get(remote.remote_request_id)
+        if claimed != list(remote.remote_block_ids):
+            self._abort_quietly(job)
+            return "claim: the prefill node holds other blocks than kv_transfer_params names", 0
+        try:
+            with self._lock:
+                if job.request_id in self._cancelled:
+                    transfer = None
+                else:
+                    transfer = self.transport.start_pull(
+                        job.request_id,
+                        remote.transport,
+                        claimed[skip:],
+                        job.local_block_ids[skip:],
+                        job.timeout_s,
+                    )
+                    self._transfers[job.request_id] = transfer
+        except Exception as e:  # noqa: BLE001 - bad transport metadata: fail this pull only
+            self._abort_quietly(job)
+            return (
+                f"transfer: cannot start ({type(e).__name__}: {e}; do both nodes use the same "
+                "--cache-transfer-protocol?)",
+                0,
+            )
         if transfer is None:
             error = "cancelled"
         else:

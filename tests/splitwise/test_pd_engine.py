@@ -238,3 +238,31 @@ def test_min_tokens_on_either_leg_gives_mixed_output(mixed, prefill, decode):
     settle(decode)
     assert_all_free(prefill)
     decode.check_integrity()
+
+
+def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
+    """A client-edited decode leg never kills the engine nor reads other blocks: a token id
+    outside the vocabulary or malformed logprobs are refused; block ids other than those the
+    prefill node holds, or transport metadata of another kind, fail the pull (nothing cached)."""
+    prompt = prompts(1, 40, 41, seed=8)[0]
+    p_outs = run(prefill, "p-forge", prompt, GREEDY, {"do_remote_decode": True})
+    kv = p_outs[-1].kv_transfer_params
+    for bad in (-1, 512, 10**9):
+        with pytest.raises(ValueError, match="first_token_id"):
+            decode.add_request("d-tok", prompt, GREEDY, kv | {"first_token_id": bad})
+    with pytest.raises(ValueError, match="first_token_logprobs"):
+        decode.add_request("d-lp", prompt, GREEDY, kv | {"first_token_logprobs": [1, 2, 3]})
+    forged = kv | {"remote_block_ids": [b + 1 for b in kv["remote_block_ids"]]}
+    outs = run(decode, "d-forged", prompt, GREEDY, forged)
+    assert isinstance(outs[-1].error, KVTransferError) and "other blocks" in str(outs[-1].error)
+    p2 = run(prefill, "p-forge2", prompt, GREEDY, {"do_remote_decode": True})
+    kv2 = p2[-1].kv_transfer_params | {"transport": {"transport": "nixl"}}
+    outs = run(decode, "d-transport", prompt, GREEDY, kv2)
+    assert isinstance(outs[-1].error, KVTransferError) and "transfer" in str(outs[-1].error)
+    settle(prefill)
+    settle(decode)
+    assert_all_free(prefill)  # the failed pulls sent ABORT: nothing waits for the lease
+    decode.check_integrity()
+    # Nothing forged entered the decode node's prefix cache: the real leg still equals mixed.
+    _, d_outs = pd_generate(prefill, decode, "forge-ok", prompt)
+    assert tokens(d_outs) == tokens(run(mixed, "m-forge", prompt))

@@ -104,6 +104,8 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """
     if port == 0:
         return
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"{flag}={port!r} is invalid; allowed: a TCP port in 1..65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
@@ -194,6 +196,11 @@ def run_server(args: argparse.Namespace) -> int:
             if engine_args.node_rank == 0:  # other nodes serve nothing
                 check_port_free(args.host, args.port)
             if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:
+                if engine_args.pd_comm_port == args.port:
+                    raise ValueError(
+                        f"--pd-comm-port={args.port} is invalid: it is also --port; allowed: "
+                        "another port"
+                    )
                 check_port_free(engine_args.pd_host, engine_args.pd_comm_port, "--pd-comm-port")
         config, plan = resolve(args)
         if args.print_config:
