@@ -27,6 +27,9 @@ Kernel counts (the ``krn`` columns): GPU kernels one step launches, eagerly and 
 replayed graph's kernels count one by one), from the PyTorch profiler's CUDA activities of kind
 kernel (memory copies and sets not counted). They need CUDA's profiler (CUPTI), as the whole
 benchmark needs CUDA; where the profiler sees no kernels the columns show ``-`` and a line says so.
+The decode table's ``unfused krn`` column counts an eager step with the fused flashinfer ops off
+(``FD_USE_FUSED_OPS=0``: the torch reference RMSNorm, RoPE and SiLU-and-multiply, as before they
+were fused), next to the fused eager and graph counts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +48,7 @@ import torch
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.model_executor.layers import fused_ops
 from fastdeploy.model_executor.model_loader.presets import PRESETS, write_preset
 from fastdeploy.worker.input_batch import dummy_step
 
@@ -340,6 +345,23 @@ def print_prefill(rows: list[dict]) -> None:
     note_missing_counts([r["eager_kernels"] for r in rows])
 
 
+@contextmanager
+def fused_ops_off() -> Iterator[None]:
+    """Run the torch reference ops instead of flashinfer's fused ones (``FD_USE_FUSED_OPS=0``)
+    inside the block; the models read the switch per call, so no rebuild is needed."""
+    old = os.environ.get("FD_USE_FUSED_OPS")
+    os.environ["FD_USE_FUSED_OPS"] = "0"
+    fused_ops.reset()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FD_USE_FUSED_OPS")
+        else:
+            os.environ["FD_USE_FUSED_OPS"] = old
+        fused_ops.reset()
+
+
 def decode_rows(bench: Bench, batches: list[int], context: int) -> list[dict]:
     """Eager and graph decode steps of each batch size: milliseconds and kernels; printed."""
     if not batches:
@@ -350,19 +372,28 @@ def decode_rows(bench: Bench, batches: list[int], context: int) -> list[dict]:
     )
     print(
         f"{'batch':>6} {'eager ms':>9} {'eager tok/s':>12} {'graph ms':>9} {'graph tok/s':>12} "
-        f"{'eager krn':>9} {'graph krn':>9}"
+        f"{'eager krn':>9} {'graph krn':>9} {'unfused krn':>11}"
     )
     rows = []
     for b in batches:
         e, g = bench.decode(b, context, False), bench.decode(b, context, True)
         ek = bench.decode(b, context, False, kernel_count)
         gk = bench.decode(b, context, True, kernel_count)
+        with fused_ops_off():
+            uk = bench.decode(b, context, False, kernel_count)
         print(
             f"{b:>6} {e:9.3f} {b / e * 1000:12.0f} {g:9.3f} {b / g * 1000:12.0f} "
-            f"{fmt_count(ek, 9)} {fmt_count(gk, 9)}"
+            f"{fmt_count(ek, 9)} {fmt_count(gk, 9)} {fmt_count(uk, 11)}"
         )
         rows.append(
-            {"batch": b, "eager_ms": e, "graph_ms": g, "eager_kernels": ek, "graph_kernels": gk}
+            {
+                "batch": b,
+                "eager_ms": e,
+                "graph_ms": g,
+                "eager_kernels": ek,
+                "graph_kernels": gk,
+                "unfused_eager_kernels": uk,
+            }
         )
     note_missing_counts([r["eager_kernels"] for r in rows])
     return rows

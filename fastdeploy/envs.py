@@ -142,6 +142,17 @@ FD_LOG_LEVEL = EnvVar(
     "--log-level).",
 )
 
+FD_USE_FUSED_OPS = EnvVar(
+    "FD_USE_FUSED_OPS",
+    "bool",
+    parse_bool,
+    True,
+    "On CUDA with flashinfer installed, run RMSNorm, fused add + RMSNorm, RoPE and "
+    "SiLU-and-multiply as flashinfer kernels (one kernel each). 0 runs the torch reference ops "
+    "everywhere (several elementwise kernels each; benchmarks use it to count the difference). "
+    "Read once per process, when the first such layer runs.",
+)
+
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdeploy.model_executor.layers.fused_ops import use_flashinfer
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -124,15 +126,45 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: rebuilt from the config, never read from checkpoints.
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        # flashinfer's layout: float32 [max_position, rotary_dim], cos of the rotary_dim / 2
+        # frequencies, then their sin.
+        half = rotary_dim // 2
+        cos_sin = torch.cat((emb[:, :half].cos(), emb[:, :half].sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H * head_dim]`` and ``k [T, KV * head_dim]`` by ``positions [T]`` int64.
 
+        On CUDA with the fused ops on (:mod:`~fastdeploy.model_executor.layers.fused_ops`) one
+        flashinfer kernel (``apply_rope_with_cos_sin_cache_inplace``, float32 cos/sin) rotates
+        ``q`` and ``k`` **in place** (they may be strided views of the merged q/k/v output) and
+        returns them; elsewhere :meth:`forward_native`.
+
         Returns:
-            new ``(q, k)`` tensors of the same shapes and dtypes.
+            ``(q, k)`` of the same shapes and dtypes, rotated.
         """
+        cache = self.cos_sin_cache
+        if (
+            use_flashinfer(q)
+            and cache.dtype == torch.float32
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+        ):
+            import flashinfer.rope
+
+            flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, self.head_dim, cache, is_neox=True
+            )
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference of :meth:`forward` (cos/sin in the model dtype, as Hugging Face
+        computes them; new tensors, never in place)."""
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
         qh = q.reshape(q.shape[0], -1, self.head_dim)

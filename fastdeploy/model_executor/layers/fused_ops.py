@@ -1,0 +1,52 @@
+"""Which elementwise layers run as flashinfer's fused kernels.
+
+RMSNorm, fused add + RMSNorm, rotary embedding and SiLU-and-multiply each run as one flashinfer
+kernel on CUDA (``flashinfer.norm.rmsnorm``, ``flashinfer.norm.fused_add_rmsnorm``,
+``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``, ``flashinfer.activation.silu_and_mul``)
+instead of the torch reference ops that the layers keep for the CPU, which launch several
+elementwise kernels each. The layers ask :func:`use_flashinfer` per call; the answer for a
+device is decided once per process (flashinfer installed, ``FD_USE_FUSED_OPS`` not off), so
+the check costs a dict lookup, and CUDA graphs capture whichever path ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from fastdeploy import envs
+
+
+@functools.lru_cache(maxsize=1)
+def fused_ops_enabled() -> bool:
+    """Whether the fused flashinfer ops are on for CUDA tensors in this process: flashinfer is
+    installed and ``FD_USE_FUSED_OPS`` is not off. Cached; :func:`reset` re-reads it.
+
+    Raises:
+        ValueError: ``FD_USE_FUSED_OPS`` is set to a value that is not a boolean.
+    """
+    return envs.FD_USE_FUSED_OPS() and importlib.util.find_spec("flashinfer") is not None
+
+
+def reset() -> None:
+    """Forget the cached answer of :func:`fused_ops_enabled` (tests and benchmarks that flip
+    ``FD_USE_FUSED_OPS`` before building a model)."""
+    fused_ops_enabled.cache_clear()
+
+
+def use_flashinfer(x: torch.Tensor) -> bool:
+    """True when ``x`` is on CUDA and the fused ops are on (:func:`fused_ops_enabled`)."""
+    return x.is_cuda and fused_ops_enabled()
+
+
+def why_not_fused(device_type: str) -> str | None:
+    """Why the fused ops are off on ``device_type`` (``cuda``/``cpu``); None when they are on."""
+    if device_type != "cuda":
+        return f"device is {device_type}: torch reference ops"
+    if not envs.FD_USE_FUSED_OPS():
+        return "FD_USE_FUSED_OPS=0"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed"
+    return None

@@ -1,0 +1,175 @@
+"""flashinfer's fused elementwise ops against the torch references the layers keep for the CPU.
+
+RMSNorm, fused add + RMSNorm, RoPE (full and partial rotary, q/k as strided views of a merged
+q/k/v output, as the decoder passes them) and SiLU-and-multiply, in bf16 on CUDA: each fused op
+is compared with its layer's ``forward_native`` on the same input, and with a float32 evaluation
+of the same formula (the fused ops round once, at the end; the references round after every op,
+so the fused output is at least as close to float32). Then a whole SmolLM2-shaped model: the
+logits with fused ops on and off agree within the graph tolerance, and the fused decode step
+launches at most a third of the unfused step's kernels.
+
+One pytest call on a CUDA host with flashinfer: ``python -m pytest -q -s tests/gpu/test_fused_ops_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_utils import GPU_ONLY
+
+from fastdeploy.model_executor.layers import fused_ops
+from fastdeploy.model_executor.layers.activation import SiluAndMul
+from fastdeploy.model_executor.layers.normalization import RMSNorm
+from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = [
+    *GPU_ONLY,
+    pytest.mark.skipif(
+        fused_ops.why_not_fused("cuda") is not None, reason="needs flashinfer and FD_USE_FUSED_OPS"
+    ),
+]
+
+BF16 = torch.bfloat16
+
+
+def bf16_close(fused: torch.Tensor, native: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """``fused`` within 2 bf16 ulps of ``native`` (relative 2^-7 plus a small absolute floor)
+    and no further from the float32 ``exact`` than ``native`` is, up to one ulp."""
+    torch.testing.assert_close(fused.float(), native.float(), rtol=2**-7, atol=1e-2, msg=what)
+    err_fused = (fused.float() - exact).abs().max().item()
+    err_native = (native.float() - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    print(f"{what}: max |fused - fp32| {err_fused:.4g}, |native - fp32| {err_native:.4g}")
+    assert err_fused <= err_native + scale * 2**-8, (what, err_fused, err_native)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 4096), (2048, 576)])
+def test_rmsnorm_and_fused_add(tokens: int, hidden: int):
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5, BF16).cuda()
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    res = torch.randn(tokens, hidden, device="cuda", dtype=BF16) * 4
+    w = norm.weight.float()
+
+    def exact_norm(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    bf16_close(norm(x.clone()), norm.forward_native(x), exact_norm(x.float()), "rmsnorm")
+
+    xf, rf = x.clone(), res.clone()
+    out, new_res = norm(xf, rf)
+    assert out.data_ptr() == xf.data_ptr() and new_res.data_ptr() == rf.data_ptr()  # in place
+    ref_out, ref_res = norm.forward_native(x, res)
+    # residual: one bf16 rounding of the float32 sum in both paths
+    torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+    bf16_close(out, ref_out, exact_norm(ref_res.float()), "fused_add_rmsnorm")
+
+
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_in_place_on_qkv_views(rotary_fraction: float):
+    torch.manual_seed(0)
+    head_dim, heads, kv_heads, max_pos = 128, 8, 2, 4096
+    params = {"rope_type": "default", "rope_theta": 500000.0}
+    rope = RotaryEmbedding(
+        head_dim, max_pos, params, BF16, rotary_dim=int(head_dim * rotary_fraction)
+    ).cuda()
+    t = 300
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=BF16)
+    positions = torch.randint(0, max_pos, (t,), device="cuda")
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    ref_q, ref_k = rope.forward_native(positions, q, k)
+    # float32 reference: the same formula with float32 inputs and cos/sin
+    rope32 = RotaryEmbedding(
+        head_dim, max_pos, params, torch.float32, rotary_dim=rope.rotary_dim
+    ).cuda()
+    ex_q, ex_k = rope32.forward_native(positions, q.float(), k.float())
+    v_before = v.clone()
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert torch.equal(v, v_before)
+    bf16_close(out_q, ref_q, ex_q, f"rope q (rotary {rope.rotary_dim})")
+    bf16_close(out_k, ref_k, ex_k, f"rope k (rotary {rope.rotary_dim})")
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (513, 14336)])
+def test_silu_and_mul(tokens: int, inter: int):
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 2 * inter, device="cuda", dtype=BF16) * 3
+    act = SiluAndMul()
+    xf = x.float()
+    exact = torch.nn.functional.silu(xf[:, :inter]) * xf[:, inter:]
+    bf16_close(act(x), act.forward_native(x), exact, "silu_and_mul")
+
+
+def _kernel_count():
+    """``benchmarks/benchmark_prefill.py``'s profiler kernel counter."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_prefill.py"
+    spec = importlib.util.spec_from_file_location("benchmark_prefill", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel_count
+
+
+@torch.inference_mode()
+def forward_logits(llm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits of the last token of a 64-token prefill and of each request of a batch-16
+    decode step (32 tokens of context), eagerly, random token ids (seeded)."""
+    from fastdeploy.worker.input_batch import dummy_step
+
+    runner = llm.engine.worker.runner
+    block = runner.buffers.block_size
+    out = []
+    for sched in (dummy_step([64], block), dummy_step([1] * 16, block, history=32)):
+        g = torch.Generator().manual_seed(0)
+        for s in sched.scheduled:
+            n = s.request.num_prompt_tokens
+            s.request.prompt_token_ids = torch.randint(10, 40000, (n,), generator=g).tolist()
+        hidden, inputs, _ = runner.forward(sched)
+        out.append(runner.model.compute_logits(hidden[inputs.logits_indices]))
+    return out[0], out[1]
+
+
+def decode_kernel_counts(llm) -> int:
+    """Kernels of one eager decode step at batch 1 (inputs, forward, logits, greedy sampling)."""
+    from fastdeploy.worker.input_batch import dummy_step
+
+    runner = llm.engine.worker.runner
+    sched = dummy_step([1], runner.buffers.block_size, history=31)
+    return _kernel_count()(lambda: runner.execute_model(sched))
+
+
+def test_model_fused_vs_unfused(tmp_path_factory, monkeypatch):
+    """SmolLM2-135M shape, bf16, dummy weights: the last-token logits of a 64-token prefill and
+    of a batch-16 decode step, fused ops on vs off, and the decode step's kernel counts."""
+    from gpu_utils import GRAPH_LOGIT_ATOL, make_llm, preset_dir
+
+    llm = make_llm(
+        preset_dir(tmp_path_factory, "smollm2-135m"),
+        graph_optimization_config={"use_cudagraph": False},
+    )
+    try:
+        fused_logits = forward_logits(llm)
+        fused_kernels = decode_kernel_counts(llm)
+        monkeypatch.setenv("FD_USE_FUSED_OPS", "0")
+        fused_ops.reset()
+        native_logits = forward_logits(llm)
+        native_kernels = decode_kernel_counts(llm)
+    finally:
+        fused_ops.reset()
+        llm.engine.shutdown()
+    for what, a, b in zip(("prefill", "decode"), fused_logits, native_logits):
+        diff = (a - b).abs().max().item()
+        print(f"{what} logits fused vs torch ops: max |diff| {diff:.4f}")
+        # both round differently from float32: allow twice the graph-vs-eager tolerance
+        assert diff <= 4 * GRAPH_LOGIT_ATOL, (what, diff)
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        assert agree >= 0.9, (what, agree)
+    print(f"decode step kernels at batch 1: fused {fused_kernels}, torch ops {native_kernels}")
+    assert fused_kernels * 3 <= native_kernels, (fused_kernels, native_kernels)
+
+
