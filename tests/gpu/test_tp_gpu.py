@@ -3,7 +3,9 @@
 TP=2 gives TP=1's greedy tokens, with flashinfer's fused all-reduce + residual add + RMSNorm off
 and on, and the two TP=2 engines agree with each other: a sequence may part from the other only
 at a bf16 near-tie (at the first differing step, both engines' top-5 logprobs hold both tokens
-within ``NEAR_TIE``). Every engine replays piecewise graphs (prefill) and full graphs (decode);
+within ``NEAR_TIE`` or twice the two engines' logprob difference where their tokens still agree,
+whichever is larger: at the 8B shape, whose logits are larger than the 135M model's, one such
+parting had a gap of 0.156). Every engine replays piecewise graphs (prefill) and full graphs (decode);
 the fused engine took the fused path at every traced call. The KV cache is sized from
 ``gpu_memory_utilization`` with NCCL's buffers and the fusion workspace in place.
 
@@ -57,9 +59,34 @@ def run(model_dir: str, **kwargs) -> dict:
         llm.engine.shutdown()
 
 
+#: Largest logprob difference of one token between two engines over the steps where their
+#: sequences still agree that still counts as rounding (bf16 partial sums added in another order,
+#: 32 layers deep). A wrong shard or a missed all-reduce moves logprobs by whole units.
+MAX_NOISE = 0.5
+
+
+def logprob_noise(a: dict, b: dict) -> float:
+    """Largest ``|logprob_a - logprob_b|`` of a token in both engines' top-5, over every step
+    where the two sequences have agreed so far (the same context in both engines)."""
+    noise = 0.0
+    for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
+        for t in range(len(x)):
+            ta, tb = a["top"][i][t], b["top"][i][t]
+            noise = max([noise] + [abs(ta[k] - tb[k]) for k in ta.keys() & tb.keys()])
+            if x[t] != y[t]:
+                break  # later steps see different contexts
+    return noise
+
+
 def assert_equal_or_near_ties(a: dict, b: dict, what: str) -> None:
     """Per sequence: equal tokens, or at the first differing step both tokens are in both
-    engines' top-5 and within ``NEAR_TIE`` of each other's logprob (a bf16 near-tie)."""
+    engines' top-5 within a near-tie of each other: ``NEAR_TIE``, or twice the two engines'
+    measured rounding noise (:func:`logprob_noise`) when that is larger; the noise itself must
+    stay below ``MAX_NOISE``."""
+    noise = logprob_noise(a, b)
+    tie = max(NEAR_TIE, 2 * noise)
+    print(f"{what}: logprob noise over agreeing steps {noise:.4f}, near-tie bound {tie:.4f}")
+    assert noise <= MAX_NOISE, f"{what}: logprobs differ by {noise:.4f} where tokens agree"
     same = 0
     for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
         if x == y:
@@ -69,8 +96,8 @@ def assert_equal_or_near_ties(a: dict, b: dict, what: str) -> None:
         for top in (a["top"][i][t], b["top"][i][t]):
             assert x[t] in top and y[t] in top, (what, i, t, x[t], y[t], top)
             gap = abs(top[x[t]] - top[y[t]])
-            assert gap <= NEAR_TIE, f"{what}: sequence {i} parts at step {t}, gap {gap:.4f}"
-        print(f"  {what}: sequence {i} parts at step {t} (a near-tie)")
+            assert gap <= tie, f"{what}: sequence {i} parts at step {t}, gap {gap:.4f}"
+        print(f"  {what}: sequence {i} parts at step {t}, gap {gap:.4f} (a near-tie)")
     print(f"{what}: {same}/{len(a['tokens'])} sequences equal")
 
 
