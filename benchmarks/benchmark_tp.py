@@ -73,10 +73,30 @@ class StepBench(Bench):
     def prefill(self, n: int) -> tuple[float, str]:
         return self.run(self.step(n))
 
+    def decode_sched(self, batch: int, context: int):
+        return self.random_ids(dummy_step([1] * batch, self.block_size, history=context - 1))
+
     def decode_step(self, batch: int, context: int) -> tuple[float, str]:
-        return self.run(
-            self.random_ids(dummy_step([1] * batch, self.block_size, history=context - 1))
-        )
+        return self.run(self.decode_sched(batch, context))
+
+    @torch.inference_mode()
+    def decode_kernels(self, batch: int, context: int, top: int = 6) -> tuple[float, list]:
+        """Rank 0's summed GPU kernel milliseconds of one decode step, and its ``top`` kernels
+        by time as ``(name, ms, calls)``: the step's wall time minus the kernel time is what
+        the host, the step broadcast and waiting on the other rank cost."""
+        from torch.profiler import ProfilerActivity, profile
+
+        sched = self.decode_sched(batch, context)
+        step = lambda: self.engine.worker.execute_model(sched)  # noqa: E731
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in rows) / 1000.0
+        rows.sort(key=lambda e: e.device_time_total, reverse=True)
+        return total, [(e.key[:60], e.device_time_total / 1000.0, e.count) for e in rows[:top]]
 
 
 def measure(args, model_dir: str, tp: int, fusion: bool) -> dict:
@@ -117,6 +137,10 @@ def measure(args, model_dir: str, tp: int, fusion: bool) -> dict:
         result["decode"] = {
             b: bench.decode_step(b, args.decode_context) for b in args.decode_batches
         }
+        if args.device == "cuda":
+            result["decode_kernels"] = {
+                b: bench.decode_kernels(b, args.decode_context) for b in args.decode_batches
+            }
         return result
     finally:
         engine.shutdown()
@@ -165,6 +189,18 @@ def print_table(args, results: dict[str, dict]) -> None:
         print(f"{b:>7}" + "".join(cell(results[k], "decode", b) for k in names)
               + ratio_cells("decode", b))  # fmt: skip
     print("* ran eagerly (no graph for that size)")
+    kernels = {k: r["decode_kernels"] for k, r in results.items() if "decode_kernels" in r}
+    if kernels:
+        print(f"\nDecode step, rank 0's summed GPU kernel ms (profiler); step ms minus this is "
+              f"host work, the step broadcast and waiting on the other rank\n{'batch':>7}"
+              + "".join(f"{n:>11}" for n in kernels))  # fmt: skip
+        for b in args.decode_batches:
+            print(f"{b:>7}" + "".join(f"{kernels[k][b][0]:11.3f}" for k in kernels))
+        first = args.decode_batches[0]
+        for name, by_batch in kernels.items():
+            print(f"{name}, batch {first}, top kernels by time:")
+            for kname, ms, calls in by_batch[first][1]:
+                print(f"  {ms:8.3f} ms {calls:5d}x  {kname}")
     for name in names:
         for reason in results[name]["fusion_reasons"]:
             print(f"{name}: {reason}")

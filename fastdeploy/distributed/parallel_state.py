@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -182,12 +183,47 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+#: Bytes of the first broadcast of every step message (:func:`broadcast_step`): a length header
+#: and the start of the pickle. A decode step of 64 requests pickles to about 20 KB, so almost
+#: every step is one collective; a longer message takes a second one for the rest.
+STEP_HEADER_BYTES = 32768
+_LEN_BYTES = 8
+
+
 def broadcast_step(obj: object, tp: TPGroup) -> object:
     """Rank 0 sends ``obj`` (a step's scheduler output, picklable) and returns it; the other ranks
-    pass anything and get rank 0's. Runs on the gloo control group."""
-    box = [obj if tp.is_driver else None]
-    dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
-    return box[0]
+    pass anything and get rank 0's. Runs on the gloo control group.
+
+    One broadcast of a fixed :data:`STEP_HEADER_BYTES` buffer carries the pickle's length and
+    its first bytes, and a second one only the rest of a longer pickle: two collectives at most,
+    against ``broadcast_object_list``'s two every time plus its per-call tensor conversions
+    (measured on a 2-core host: 122 us against 715 us per decode step of one request).
+    """
+    import pickle
+
+    cap = STEP_HEADER_BYTES - _LEN_BYTES
+    head = torch.zeros(STEP_HEADER_BYTES, dtype=torch.uint8)
+    view = head.numpy()
+    data = b""
+    if tp.is_driver:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        view[:_LEN_BYTES] = np.frombuffer(len(data).to_bytes(_LEN_BYTES, "little"), np.uint8)
+        first = min(len(data), cap)
+        view[_LEN_BYTES : _LEN_BYTES + first] = np.frombuffer(data, np.uint8, count=first)
+    dist.broadcast(head, src=0, group=tp.cpu_group)
+    size = int.from_bytes(view[:_LEN_BYTES].tobytes(), "little")
+    tail = None
+    if size > cap:
+        tail = torch.zeros(size - cap, dtype=torch.uint8)
+        if tp.is_driver:
+            tail.numpy()[:] = np.frombuffer(data, np.uint8, offset=cap)
+        dist.broadcast(tail, src=0, group=tp.cpu_group)
+    if tp.is_driver:
+        return obj
+    body = view[_LEN_BYTES : _LEN_BYTES + min(size, cap)].tobytes()
+    if tail is not None:
+        body += tail.numpy().tobytes()
+    return pickle.loads(body)
 
 
 def min_over_ranks(value: int, tp: TPGroup | None) -> int:

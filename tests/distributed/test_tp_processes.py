@@ -42,10 +42,13 @@ def run_two_ranks(target, tmp_path, *extra, timeout_s: float = 180) -> None:
 def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
     run_two_ranks(collective_rank, tmp_path)
     for rank in range(2):
-        summed, gathered, step = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        summed, gathered, step, big_ok, empty = ast.literal_eval(text)
         assert summed == [3.0, 3.0, 3.0]  # 1 + 2
         assert gathered == [0.0, 1.0]  # rank order
         assert step == {"step": 7, "from": 0}  # rank 0's object on every rank
+        assert big_ok  # a message longer than the header buffer arrives whole
+        assert empty is None
 
 
 def test_a_dead_rank_is_named_within_seconds_and_stop_ends_all():

@@ -24,8 +24,11 @@ def collective_rank(rank: int, world: int, addr: str, out_dir: str) -> None:
         summed = all_reduce(torch.full((3,), float(rank + 1)), tp).tolist()
         gathered = all_gather_last_dim(torch.full((2, 1), float(rank)), tp)[0].tolist()
         step = broadcast_step({"step": 7, "from": rank} if rank == 0 else None, tp)
+        # longer than one header broadcast (STEP_HEADER_BYTES): a second collective carries the rest
+        big = broadcast_step(list(range(rank, rank + 20000)) if rank == 0 else None, tp)
+        empty = broadcast_step(None, tp)
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(repr((summed, gathered, step)))
+            f.write(repr((summed, gathered, step, big == list(range(20000)), empty)))
     finally:
         destroy_tp_group()
 
