@@ -238,6 +238,32 @@ def test_piecewise_segments_compose_to_the_model_forward(llm):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+def test_segments_that_write_the_kv_cache_compose_to_the_model_forward(llm):
+    """The graph_opt_level 0 layout: each segment writes its layer's K/V (the attention between
+    segments only attends). Same hidden states as the model's forward, and the same KV cache
+    contents as the model's own write."""
+    runner = llm.engine.worker.runner
+    layers = runner.model.layers
+    with torch.inference_mode():
+        meta, expected, _, bufs = piecewise_setup(llm)
+        caches = [runner.kv_caches[layer.attn.layer_idx] for layer in layers]
+        written = [c.clone() for c in caches]
+        for c in caches:
+            c.zero_()
+        inputs_ids, positions = runner.buffers.input_ids[:48], runner.buffers.positions[:48]
+        slots = meta.attn_metadata.slot_mapping
+
+        def write_kv(i, k, v):
+            runner.attn_backend.write_kv(k, v, caches[i], slots)
+
+        segments = make_segments(runner.model, bufs, inputs_ids, positions, write_kv)
+        graph = PiecewiseGraph(48, segments, bufs, [la.attn for la in layers], kv_in_segments=True)
+        got = graph.run_eager(meta)[:40]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    for before, after in zip(written, caches):
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
 def test_compiled_segments_match_eager_and_all_compile(llm):
     """graph_opt_level 1 on CPU: every segment is compiled by Inductor (none silently left eager
     by dynamo's recompile limit, here set to 1 to force the issue) and the composition equals

@@ -124,16 +124,29 @@ class CudaGraphRunner:
             num_tokens: the bucket (tokens).
             input_ids, positions: int64 ``[num_tokens]`` views of the runner's persistent
                 buffers, holding a prepared step of exactly ``num_tokens`` tokens.
-            forward_meta: that step's metadata (attention run eagerly between segments).
+            forward_meta: that step's metadata (attention run eagerly between segments). Its
+                slot mapping must be the runner's persistent buffer: at ``graph_opt_level`` 0
+                the segments write each layer's K/V through it inside the graphs, and every
+                replay of the bucket reads the same view.
 
         Raises:
             RuntimeError: outside the capture window, or not largest first.
         """
         self._check_order("prefill", num_tokens)
         bufs = self.segment_buffers()
-        segments = make_segments(self.model, bufs, input_ids, positions)
+        write_kv = None
+        if self.graph_opt_level == 0:  # torch.compile'd segments keep the KV write eager
+            backend, slots = forward_meta.attn_backend, forward_meta.attn_metadata.slot_mapping
+            caches = [forward_meta.kv_caches[a.layer_idx] for a in self.attn_layers]
+
+            def write_kv(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                backend.write_kv(k, v, caches[i], slots)
+
+        segments = make_segments(self.model, bufs, input_ids, positions, write_kv)
         segments = compile_segments(segments, self.graph_opt_level)
-        graph = PiecewiseGraph(num_tokens, segments, bufs, self.attn_layers)
+        graph = PiecewiseGraph(
+            num_tokens, segments, bufs, self.attn_layers, kv_in_segments=write_kv is not None
+        )
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):

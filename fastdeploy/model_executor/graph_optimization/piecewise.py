@@ -119,32 +119,43 @@ class PiecewiseModel(Protocol):
 
 
 def make_segments(
-    model: PiecewiseModel, bufs: SegmentBuffers, input_ids: torch.Tensor, positions: torch.Tensor
+    model: PiecewiseModel,
+    bufs: SegmentBuffers,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_kv: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> list[Callable[[], None]]:
     """The ``L + 1`` segment callables for a bucket of ``n = input_ids.numel()`` tokens.
 
     Each callable takes no argument: it reads ``input_ids``/``positions`` (views of the runner's
     persistent buffers) and the ``bufs`` views, and writes its results into ``bufs`` in place.
+    With ``write_kv`` (``write_kv(i, k, v)``: store layer ``i``'s ``k``/``v`` in its cache at the
+    step's slot mapping, a persistent buffer) each segment also writes the K/V of the layer
+    whose attention follows it, so that the eager attention between segments only attends (one
+    Triton launch less per layer on the host's critical path) and must be called with
+    ``write_kv=False``.
     """
     n = input_ids.shape[0]
     q, k, v = bufs.q[:n], bufs.k[:n], bufs.v[:n]
     residual, hidden, attn = bufs.residual[:n], bufs.hidden[:n], bufs.attn[:n]
     layers = model.layers
 
-    def store(out: tuple[torch.Tensor, ...]) -> None:
+    def store(i: int, out: tuple[torch.Tensor, ...]) -> None:
         q_, k_, v_, res_ = out
+        if write_kv is not None:
+            write_kv(i, k_, v_)
         q.copy_(q_)
         k.copy_(k_)
         v.copy_(v_)
         residual.copy_(res_)
 
     def first() -> None:
-        store(layers[0].pre_attention(positions, model.embed(input_ids), None))
+        store(0, layers[0].pre_attention(positions, model.embed(input_ids), None))
 
     def middle(i: int) -> Callable[[], None]:
         def seg() -> None:
             h, res = layers[i - 1].post_attention(attn, residual)
-            store(layers[i].pre_attention(positions, h, res))
+            store(i, layers[i].pre_attention(positions, h, res))
 
         return seg
 
@@ -184,6 +195,8 @@ class PiecewiseGraph:
         segments: from :func:`make_segments` (optionally wrapped by ``torch.compile``).
         bufs: the shared segment buffers.
         attn_layers: the model's attention layers in order (their ``layer_idx`` picks the cache).
+        kv_in_segments: the segments write each layer's K/V (``make_segments(write_kv=...)``),
+            so the attention between them does not.
     """
 
     def __init__(
@@ -192,8 +205,10 @@ class PiecewiseGraph:
         segments: list[Callable[[], None]],
         bufs: SegmentBuffers,
         attn_layers: list,
+        kv_in_segments: bool = False,
     ) -> None:
         self.num_tokens = num_tokens
+        self.write_kv = not kv_in_segments
         self.segments = segments
         self.graphs: list[torch.cuda.CUDAGraph] = []
         # Views made once, so a replay does no slicing.
@@ -234,6 +249,7 @@ class PiecewiseGraph:
             forward_meta.kv_caches[self.layer_ids[i]],
             forward_meta.attn_metadata,
             out=self.attn,
+            write_kv=self.write_kv,
         )
         if out.data_ptr() != self.attn.data_ptr():
             self.attn.copy_(out)

@@ -393,6 +393,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: FlashInferMetadata,
         out: torch.Tensor | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
         """Write this step's K/V (Triton, slot -1 skipped), then one flashinfer ``run``.
 
@@ -409,7 +410,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             padding requests' rows are not meaningful.
         """
         md = metadata
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        if write_kv:
+            write_kv_cache(k, v, kv_cache, md.slot_mapping)
         num_rows = q.shape[0]
         if out is None:
             out = q.new_empty(num_rows, self.num_heads * self.head_dim)

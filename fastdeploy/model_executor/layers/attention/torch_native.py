@@ -120,10 +120,12 @@ class TorchNativeAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchNativeMetadata,
         out: torch.Tensor | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`; padding rows of the output are zero."""
         out_buffer = out  # piecewise graphs pass the buffer the next segment reads
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        if write_kv:
+            write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         # [sum(seq_lens), num_kv_heads, head_dim], every request's cached K/V in one gather.
