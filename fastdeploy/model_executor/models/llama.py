@@ -19,8 +19,6 @@ normalises in one kernel; the hidden states between ``post_attention`` and the n
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +31,7 @@ from fastdeploy.model_executor.layers.activation import SiluAndMul
 from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
 from fastdeploy.model_executor.layers.attention.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
-from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -46,26 +44,9 @@ from fastdeploy.model_executor.layers.rotary_embedding import (
     RotaryEmbedding,
     rope_parameters_from_config,
 )
+from fastdeploy.model_executor.models.hf_weights import HFWeightsMixin
 
 logger = logging.getLogger(__name__)
-
-# Hugging Face module path inside ``model.layers.<i>`` -> (our module path inside a layer, shard).
-LAYER_WEIGHTS: dict[str, tuple[str, Hashable | None]] = {
-    "input_layernorm": ("input_layernorm", None),
-    "self_attn.q_proj": ("qkv_proj", "q"),
-    "self_attn.k_proj": ("qkv_proj", "k"),
-    "self_attn.v_proj": ("qkv_proj", "v"),
-    "self_attn.q_norm": ("q_norm", None),
-    "self_attn.k_norm": ("k_norm", None),
-    "self_attn.o_proj": ("o_proj", None),
-    "post_attention_layernorm": ("post_attention_layernorm", None),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "mlp.down_proj": ("mlp.down_proj", None),
-}
-# Hugging Face module path -> our module path, outside the layers.
-TOP_WEIGHTS = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -254,7 +235,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(HFWeightsMixin, nn.Module):
     """A dense decoder-only language model (the shared implementation).
 
     Args:
@@ -381,93 +362,6 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (the head runs in model dtype)."""
         return self.lm_head(hidden_states).float()
-
-    # ---- weights under Hugging Face names -------------------------------------------------------
-
-    def _locate(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
-        prefix, _, param_name = hf_name.rpartition(".")
-        module, shard = None, None
-        if prefix in TOP_WEIGHTS:
-            module = getattr(self, TOP_WEIGHTS[prefix])
-        elif (m := _LAYER_NAME.fullmatch(prefix)) and m.group(2) in LAYER_WEIGHTS:
-            idx = int(m.group(1))
-            if idx < len(self.layers):
-                path, shard = LAYER_WEIGHTS[m.group(2)]
-                module = _get_submodule(self.layers[idx], path)
-        if module is None or getattr(module, param_name, None) is None:
-            raise ValueError(f"unexpected checkpoint weight {hf_name!r} for {type(self).__name__}")
-        return module, param_name, shard
-
-    def hf_weight_names(self) -> list[str]:
-        """The Hugging Face names a checkpoint of this model must provide (tied head excluded)."""
-        names = []
-        for hf_prefix, path in TOP_WEIGHTS.items():
-            if path == "lm_head" and self.lm_head.tied:
-                continue
-            names += _param_names(hf_prefix, getattr(self, path))
-        for i, layer in enumerate(self.layers):
-            for hf_path, (path, _) in LAYER_WEIGHTS.items():
-                module = _get_submodule(layer, path)
-                if module is not None:
-                    names += _param_names(f"model.layers.{i}.{hf_path}", module)
-        return names
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        """Copy checkpoint tensors given under Hugging Face names into the model.
-
-        q/k/v and gate/up go into their merged projections; rotary ``inv_freq`` buffers are
-        ignored; ``lm_head.weight`` is ignored when the head is tied to the embedding.
-
-        Returns:
-            the Hugging Face names that were loaded.
-
-        Raises:
-            ValueError: an unknown name, a shape mismatch, or (``strict``) a missing weight.
-        """
-        loaded = set()
-        for hf_name, tensor in weights:
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue
-            if hf_name == "lm_head.weight" and self.lm_head.tied:
-                continue
-            module, param_name, shard = self._locate(hf_name)
-            if hasattr(module, "load_weight"):
-                module.load_weight(param_name, tensor, shard)
-            else:
-                copy_weight(getattr(module, param_name), tensor, hf_name)
-            loaded.add(hf_name)
-        missing = [n for n in self.hf_weight_names() if n not in loaded]
-        if strict and missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
-        return loaded
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights under Hugging Face names (views sharing memory with the model), so that
-        ``transformers``' model of the same config can ``load_state_dict`` them. A tied head is
-        included as ``lm_head.weight`` too."""
-        out = {}
-        for hf_name in self.hf_weight_names() + (["lm_head.weight"] if self.lm_head.tied else []):
-            module, param_name, shard = self._locate(hf_name)
-            if hasattr(module, "export_weight"):
-                out[hf_name] = module.export_weight(param_name, shard)
-            else:
-                out[hf_name] = getattr(module, param_name).detach()
-        return out
-
-
-def _get_submodule(module: nn.Module, path: str) -> nn.Module | None:
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
-
-
-def _param_names(prefix: str, module: nn.Module) -> list[str]:
-    return [f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)]
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -30,12 +30,8 @@ from torch import nn
 
 from fastdeploy.model_executor.layers.linear import copy_weight
 from fastdeploy.model_executor.layers.moe import SparseMoeBlock
-from fastdeploy.model_executor.models.llama import (
-    DecoderForCausalLM,
-    DecoderMLP,
-    _get_submodule,
-    _param_names,
-)
+from fastdeploy.model_executor.models.hf_weights import get_submodule, param_names
+from fastdeploy.model_executor.models.llama import DecoderForCausalLM, DecoderMLP
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -153,9 +149,9 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             names += [f"{prefix}.mlp.experts.gate_up_proj", f"{prefix}.mlp.experts.down_proj"]
             if block.shared_experts is not None:
                 for part, path in (("gate", "gate_up_proj"), ("up", "gate_up_proj")):
-                    module = _get_submodule(block.shared_experts, path)
-                    names += _param_names(f"{prefix}.mlp.shared_experts.{part}_proj", module)
-                names += _param_names(
+                    module = get_submodule(block.shared_experts, path)
+                    names += param_names(f"{prefix}.mlp.shared_experts.{part}_proj", module)
+                names += param_names(
                     f"{prefix}.mlp.shared_experts.down_proj", block.shared_experts.down_proj
                 )
         return names
