@@ -109,6 +109,16 @@ class PendingSends:
         """Block references held (for the integrity check and the metrics)."""
         return sum(len(e.block_ids) for e in self._entries.values())
 
+    def claimed_blocks(self, now: float) -> set[int]:
+        """The blocks of the claimed entries that have not expired (a decode node may read
+        them now)."""
+        return {
+            b
+            for e in self._entries.values()
+            if e.claimed and e.expires_at > now
+            for b in e.block_ids
+        }
+
     def block_tables(self) -> list[list[int]]:
         """Each entry's block list (for the integrity check)."""
         return [list(e.block_ids) for e in self._entries.values()]

@@ -74,6 +74,15 @@ class PrefillControl:
         with self._lock:
             return len(self._table)
 
+    # ------------------------------------------------------------ transport threads
+    def readable(self, block_ids: list[int]) -> bool:
+        """Whether every block of ``block_ids`` belongs to a live, claimed pending send: the only
+        blocks the ``tcp`` transport serves (its ``authorize`` hook)."""
+        now = self._clock()
+        with self._lock:
+            allowed = self._table.claimed_blocks(now)
+        return set(block_ids) <= allowed
+
     # ------------------------------------------------------------ side channel threads
     def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
         """The handler of :class:`fastdeploy.splitwise.side_channel.SideChannelServer`.

@@ -111,6 +111,8 @@ class PrefillRole(_Role):
         sw = config.splitwise_config
         self.control = PrefillControl(sw.pd_lease_s, sw.pd_transfer_timeout)
         super().__init__(config, kv_caches, layout, self.control.handle)
+        if hasattr(self.transport, "authorize"):  # tcp: serve only claimed blocks
+            self.transport.authorize = self.control.readable
         self._transport_meta = self.transport.local_metadata()
 
     def hold(

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 OPS = ("CLAIM", "DONE", "ABORT", "HEARTBEAT")
 #: Longest accepted line (bytes); a longer one is answered with an error and the connection closed.
 MAX_LINE_BYTES = 1 << 20
+#: Seconds a connection may stay silent before the server closes it.
+IDLE_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 
@@ -73,15 +75,20 @@ def send_control(
 
 
 class _Connection(socketserver.StreamRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # a silent peer's connection (and thread) ends
+
     def handle(self) -> None:
-        while True:
-            line = self.rfile.readline(MAX_LINE_BYTES + 1)
-            if not line:
-                return
-            reply = self.server.dispatch(line)  # type: ignore[attr-defined]
-            self.wfile.write((json.dumps(reply) + "\n").encode())
-            if len(line) > MAX_LINE_BYTES:
-                return
+        try:
+            while True:
+                line = self.rfile.readline(MAX_LINE_BYTES + 1)
+                if not line:
+                    return
+                reply = self.server.dispatch(line)  # type: ignore[attr-defined]
+                self.wfile.write((json.dumps(reply) + "\n").encode())
+                if len(line) > MAX_LINE_BYTES:
+                    return
+        except OSError:  # idle timeout, or the peer reset the connection
+            return
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -130,7 +137,7 @@ class SideChannelServer:
             return {"ok": False, "error": f"message longer than {MAX_LINE_BYTES} bytes"}
         try:
             message = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return {"ok": False, "error": f"not a JSON line: {line[:200]!r}"}
         op = message.get("op") if isinstance(message, dict) else None
         if op not in OPS:

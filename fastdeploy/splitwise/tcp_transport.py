@@ -9,6 +9,11 @@ memory on both sides. Where both engines use the same layout (the decode node ch
 fingerprint first), ``B`` is equal on both sides; a mismatch fails the pull.
 
 The engine never sees this class's internals: a pull is a :class:`Transfer` it polls.
+
+The server reads only what it may: at most one pool's worth of ids per request, each a real
+block, and (on a prefill node, :attr:`TcpKVTransport.authorize`) only blocks held for a transfer
+a decode node has CLAIMed, so a stray or hostile client cannot read other requests' KV or make
+the server gather gigabytes. NIXL reads registered memory directly and has no such hook.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +68,9 @@ class TcpKVTransport:
         self.kv_caches: list[torch.Tensor] = []
         self._server: socketserver.ThreadingTCPServer | None = None
         self.port = 0
+        #: ``authorize(block_ids) -> bool``: whether a read of these blocks is allowed now (the
+        #: prefill role: they belong to claimed pending sends); None allows any valid block.
+        self.authorize: Callable[[list[int]], bool] | None = None
 
     # ------------------------------------------------------------------ prefill side
     def register(self, kv_caches: list[torch.Tensor]) -> None:
@@ -97,9 +106,13 @@ class TcpKVTransport:
             request = json.loads(rfile.readline(MAX_LINE_BYTES))
             ids = request["block_ids"]
             num_blocks = self.kv_caches[0].shape[0]
-            if not all(isinstance(b, int) and 0 < b < num_blocks for b in ids):
+            if not isinstance(ids, list) or len(ids) > num_blocks:
+                raise ValueError(f"block_ids must be a list of at most {num_blocks} ids")
+            if not all(type(b) is int and 0 < b < num_blocks for b in ids):
                 raise ValueError(f"block_ids outside 1..{num_blocks - 1}: {ids[:16]}")
-        except (ValueError, KeyError, TypeError) as e:
+            if self.authorize is not None and not self.authorize(ids):
+                raise ValueError("block_ids are not held for a claimed transfer")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             conn.sendall((json.dumps({"ok": False, "error": str(e)}) + "\n").encode())
             return
         header = {"ok": True, "num_layers": len(self.kv_caches)}

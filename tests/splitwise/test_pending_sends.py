@@ -60,3 +60,18 @@ def test_remote_prefill_round_trips_and_refuses_what_it_cannot_use():
     message = str(err.value)
     assert "dtype: prefill 'bfloat16' != decode 'float16'" in message
     assert "block_size: prefill 64 != decode 16" in message
+
+
+def test_only_claimed_live_entries_are_readable():
+    from fastdeploy.splitwise.prefill_control import PrefillControl
+
+    now = [0.0]
+    control = PrefillControl(lease_s=10, transfer_s=5, clock=lambda: now[0])
+    control.hold("a", [1, 2])
+    control.hold("b", [3])
+    assert not control.readable([1])  # held, not claimed yet
+    control.handle("CLAIM", {"request_ids": ["a"]})
+    assert control.readable([1, 2]) and control.readable([2])
+    assert not control.readable([1, 3])  # b is unclaimed
+    now[0] = 6.0  # past a's transfer deadline (0 + 5)
+    assert not control.readable([1])

@@ -40,6 +40,7 @@ def test_bad_messages_are_refused_without_killing_the_channel():
                 (b"not json\n", "not a JSON line"),
                 (b'{"op": "STEAL", "request_ids": []}\n', "op='STEAL' is invalid; allowed: CLAIM"),
                 (b'{"op": "DONE", "request_ids": "r1"}\n', "request_ids='r1' is invalid"),
+                (b"[" * 100_000 + b"\n", "not a JSON line"),  # deeper than json's recursion
             ):
                 sock.sendall(raw)
                 assert error in lines.readline().decode()
@@ -48,6 +49,24 @@ def test_bad_messages_are_refused_without_killing_the_channel():
         server.close()
     with pytest.raises(ValueError, match="op='STEAL' is invalid"):
         send_control("127.0.0.1", 1, "STEAL", [])
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout(monkeypatch):
+    import socket
+    import time
+
+    from fastdeploy.splitwise import side_channel
+
+    monkeypatch.setattr(side_channel._Connection, "timeout", 0.5)
+    server = SideChannelServer("127.0.0.1", 0, lambda op, m: {}).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            start = time.monotonic()
+            assert sock.recv(1) == b""  # the server closed it
+            assert time.monotonic() - start < 4
+        assert send_control("127.0.0.1", server.port, "HEARTBEAT", ["r"]) == {"ok": True}
+    finally:
+        server.close()
 
 
 def test_unreachable_peer_is_a_side_channel_error():

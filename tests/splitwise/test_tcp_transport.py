@@ -59,6 +59,26 @@ def test_layout_mismatch_and_bad_ids_fail_with_the_reason():
         decode.start_pull("r3", prefill.local_metadata(), [1, 2], [1])
 
 
+def test_only_authorized_blocks_and_at_most_a_pool_of_ids_are_served():
+    prefill, decode = TcpKVTransport(), TcpKVTransport()
+    src = caches(torch.float32, True)
+    prefill.register(src)
+    decode.register(caches(torch.float32, False))
+    prefill.authorize = lambda ids: set(ids) <= {3, 4}
+    try:
+        meta = prefill.local_metadata()
+        transfer = decode.start_pull("r1", meta, [3, 5], [1, 2])
+        assert transfer.wait(30) and "not held for a claimed transfer" in transfer.error
+        transfer = decode.start_pull("r2", meta, [3] * 13, [1] * 13)  # 13 ids, a pool of 12
+        assert transfer.wait(30) and "at most 12 ids" in transfer.error
+        transfer = decode.start_pull("r3", meta, [4, 3], [1, 2])
+        assert transfer.wait(30) and transfer.error is None
+        assert torch.equal(decode.kv_caches[0][[1, 2]], src[0][[4, 3]])
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_dead_peer_and_cancel_end_the_pull():
     decode = TcpKVTransport()
     decode.register(caches(torch.float32, False))
