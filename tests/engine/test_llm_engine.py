@@ -245,8 +245,10 @@ def test_segments_that_write_the_kv_cache_compose_to_the_model_forward(llm):
     runner = llm.engine.worker.runner
     layers = runner.model.layers
     with torch.inference_mode():
-        meta, expected, _, bufs = piecewise_setup(llm)
         caches = [runner.kv_caches[layer.attn.layer_idx] for layer in layers]
+        for c in caches:  # earlier tests' KV would mask what this step writes
+            c.zero_()
+        meta, expected, _, bufs = piecewise_setup(llm)
         written = [c.clone() for c in caches]
         for c in caches:
             c.zero_()
