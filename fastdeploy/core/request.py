@@ -114,7 +114,9 @@ class Request:
       * ``num_prompt_tokens``: ``len(prompt_token_ids)``;
       * ``num_tokens``: prompt plus generated tokens so far;
       * ``num_computed_tokens``: tokens whose KV is in the cache (including ``num_cached_tokens``);
-      * ``num_cached_tokens``: prompt tokens found in the prefix cache at admission.
+      * ``num_cached_tokens``: prompt tokens found in the prefix cache at admission;
+      * ``num_output_placeholders``: tokens sampled by steps still in flight (overlap schedule),
+        whose ids the host does not know yet; they count as scheduled, never as output.
 
     ``block_ids`` is the request's block table (KV block ids in order).
 
@@ -146,6 +148,7 @@ class Request:
     detokenizer: Any = field(default=None, repr=False)
     remote_decode: bool = False
     remote_prefill: Any = field(default=None, repr=False)
+    num_output_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,6 +157,22 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those sampled by steps in flight: what the scheduler computes up
+        to (equal to ``num_tokens`` without the overlap schedule)."""
+        return self.num_tokens + self.num_output_placeholders
+
+    def reaches_length_limit(self, max_model_len: int, num_pending: int = 0) -> bool:
+        """The length rule (``StopChecker`` rules 5 and 6): the request ends with ``length``
+        once it holds ``max_model_len`` tokens or ``max_tokens`` output tokens, counting
+        ``num_pending`` tokens not appended yet. The scheduler asks it with the placeholders of
+        an overlapped step, so a request that will end by length is not scheduled again."""
+        if self.num_tokens + num_pending >= max_model_len:
+            return True
+        max_tokens = self.sampling_params.max_tokens
+        return max_tokens is not None and len(self.output_token_ids) + num_pending >= max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

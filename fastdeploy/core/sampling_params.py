@@ -12,6 +12,8 @@ from fastdeploy.config import check, check_int, is_number, unknown_key_error
 MAX_LOGIT_BIAS_ENTRIES = 300
 #: Range of one ``logit_bias`` value (OpenAI's).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+#: Most top log-probabilities one request may ask for (``logprobs``).
+MAX_LOGPROBS = 20
 #: Range of ``frequency_penalty`` and ``presence_penalty`` (OpenAI's).
 PENALTY_RANGE = (-2.0, 2.0)
 
@@ -125,10 +127,11 @@ class SamplingParams:
             "a list of token ids >= 0",
         )
         check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             self.logprobs,
-            "null or an integer in [0, 20]",
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
         )
         self._check_logits_processing()
 

@@ -22,9 +22,11 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so a token is sampled
-        (false for a non-final chunk of a chunked prefill)."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step reaches the request's last token, so a token is sampled (false
+        for a non-final chunk of a chunked prefill). The last token may be a placeholder: one
+        sampled by the step in flight (overlap schedule), fed to this one on the device."""
+        end = self.num_computed_tokens + self.num_new_tokens
+        return end == self.request.num_tokens_with_placeholders
 
 
 @dataclass

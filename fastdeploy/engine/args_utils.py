@@ -110,6 +110,13 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(
         default=True, metadata=_cli("split long prompts across steps")
     )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_cli(
+            "schedule each step only after the previous one's tokens are on the host (default: "
+            "off, so the host prepares step N+1 while the device runs step N where supported)"
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=_cli("reuse KV blocks of shared prompt prefixes")
     )
@@ -332,6 +339,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            disable_overlap_schedule=self.disable_overlap_schedule,
         )
         load_config = LoadConfig(load_format=self.load_format)
         cache_config = CacheConfig(

@@ -7,6 +7,11 @@ all under ``min_tokens``) and what text they add. Detokenisation runs here, on t
 thread (about 0.8 us per token), because the stop decision needs the text: a request that hits a
 stop string frees its KV blocks in the same step, and the front ends only pass text on.
 
+Where the graph plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule`` turns
+it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
+while the device computes; :mod:`fastdeploy.engine.overlap` says how stop conditions, aborts and
+preemption stay exact.
+
 Admission is bounded by the KV pool: at start-up ``max_model_len`` is lowered, with a warning, to
 what the pool holds for one request (``fit_max_model_len`` in
 :mod:`fastdeploy.cache_manager.kv_cache_manager`), so a prompt that could never fit is refused at
@@ -33,6 +38,7 @@ from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request, RequestStatus, check_prompt, check_sampling
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.overlap import OverlapStepMixin
 from fastdeploy.engine.pd_steps import PDStepMixin
 
 if TYPE_CHECKING:
@@ -94,7 +100,7 @@ def check_first_token_logprobs(entries, token_id: int) -> None:
         )
 
 
-class LLMEngine(PDStepMixin):
+class LLMEngine(PDStepMixin, OverlapStepMixin):
     """Loads the model and drives steps. Not thread-safe: one thread calls it.
 
     Args:
@@ -344,7 +350,9 @@ class LLMEngine(PDStepMixin):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is waiting or running, or a launched step's tokens are unread
+        (overlap schedule: one more ``step()`` emits them)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def has_background_work(self) -> bool:
         """True while bookkeeping needs steps even without requests: host-tier copies queued or
@@ -381,7 +389,9 @@ class LLMEngine(PDStepMixin):
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
-        """Schedule, run and post-process one step; returns this step's new tokens and text.
+        """Schedule and launch one step, and post-process the step that is due; returns its new
+        tokens and text. Without the overlap schedule that is this step; with it, the previous
+        one (this one runs on while the host returns; see :mod:`fastdeploy.engine.overlap`).
 
         A request the :class:`~fastdeploy.engine.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns.
@@ -400,29 +410,7 @@ class LLMEngine(PDStepMixin):
         if self.pd is not None:
             self._start_pulls()
         layer_events = host.issue_swap_ins() if host is not None else None
-        # Also when empty: the runner frees the sampling state of finished requests.
-        if layer_events:
-            sampled = self.worker.execute_model(sched, layer_events=layer_events)
-        else:
-            sampled = self.worker.execute_model(sched)
-        # Copies in flight are polled by stepping: not idle until they landed.
-        self.last_step_idle = sched.is_empty and not (host is not None and host.has_work)
-        if sched.is_empty:
-            return outputs
-        self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
-        now = time.monotonic()
-        for rid, tok in sampled.items():
-            request = self.scheduler.get_request(rid)
-            if request is None:  # aborted since it was scheduled
-                continue
-            logprobs = None
-            k = request.sampling_params.logprobs
-            if k is not None:
-                top = (tok.top_logprobs or [])[:k]
-                logprobs = [{"token_id": tok.token_id, "logprob": tok.logprob, "top_logprobs": top}]
-                request.output_logprobs.extend(logprobs)
-            outputs.append(self._token_output(request, tok.token_id, logprobs, now))
-        return outputs
+        return outputs + self._run_step(sched, layer_events)
 
     def _token_output(
         self, request: Request, token_id: int, logprobs: list[dict] | None, now: float

@@ -84,8 +84,6 @@ class StopChecker:
                 detok.truncate(hit[0])
                 request.stop_reason = hit[1]
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if params.max_tokens is not None and num_output >= params.max_tokens:
+        if request.reaches_length_limit(self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -5,7 +5,10 @@ Each step (:meth:`Scheduler.schedule`) spends at most ``max_num_batched_tokens``
 
 1. Running requests first, in admission order. Each gets ``num_tokens - num_computed_tokens``
    tokens (1 for a decode, the rest of its prompt for one mid chunked prefill), capped by the
-   remaining budget.
+   remaining budget. Under the overlap schedule a step is applied as it is launched
+   (:meth:`Scheduler.advance`) and its tokens arrive one step later (:meth:`Scheduler.resolve`):
+   a token still in flight counts as a placeholder, so a decode computes it (its id is fed on
+   the device), and a request that its token in flight ends by length is not scheduled.
 2. Then waiting requests, first come first served (FIFO, no overtaking), while the budget,
    ``max_num_seqs`` and free KV blocks allow; the prefix cache is looked up on admission.
 
@@ -51,6 +54,7 @@ from fastdeploy.config import SchedulerConfig, check
 from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.scheduler.remote_kv import RemoteKVMixin
+from fastdeploy.scheduler.step_output import StepOutputMixin
 from fastdeploy.scheduler.swap_in import SwapInMixin
 
 
@@ -67,7 +71,7 @@ class InsufficientKVCacheError(RuntimeError):
         self.request_id = request_id
 
 
-class Scheduler(RemoteKVMixin, SwapInMixin):
+class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
     """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
 
     Args:
@@ -249,7 +253,13 @@ class Scheduler(RemoteKVMixin, SwapInMixin):
         try:
             while i < len(self.running) and budget > 0:
                 request = self.running[i]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                pending = request.num_output_placeholders
+                if pending and request.reaches_length_limit(self.max_model_len, pending):
+                    i += 1  # its token in flight ends it (overlap schedule): nothing to compute
+                    continue
+                num_new = min(
+                    request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+                )
                 if num_new <= 0:
                     raise RuntimeError(
                         f"running request {request.request_id!r} has no token to compute; was "
@@ -271,52 +281,6 @@ class Scheduler(RemoteKVMixin, SwapInMixin):
         return SchedulerOutput(
             scheduled=scheduled, preempted=preempted, finished_request_ids=finished
         )
-
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Apply a finished step: advance counters, cache full blocks, append sampled tokens.
-
-        Args:
-            output: what :meth:`schedule` returned for the step.
-            sampled_token_ids: request id -> token id, exactly for the scheduled requests whose
-                ``samples`` is true (requests aborted since may be present or not).
-
-        Returns the requests that got a new token, in scheduled order; the engine checks their stop
-        conditions and calls :meth:`finish_request`. Requests aborted since :meth:`schedule` are
-        skipped.
-
-        Raises:
-            ValueError: a sampling request has no token, a token is given for a request that does
-                not sample, or the output was already applied (nothing is changed then).
-        """
-        live = [s for s in output.scheduled if s.request.status == RequestStatus.RUNNING]
-        for s in live:
-            if s.request.num_computed_tokens != s.num_computed_tokens:
-                raise ValueError(
-                    f"request {s.request.request_id!r} has {s.request.num_computed_tokens} "
-                    f"computed tokens, the output expects {s.num_computed_tokens}: applied twice?"
-                )
-        samplers = {s.request.request_id for s in output.scheduled if s.samples}
-        sampling_ids = [s.request.request_id for s in live if s.samples]
-        missing = [rid for rid in sampling_ids if rid not in sampled_token_ids]
-        if missing:
-            raise ValueError(f"no sampled token for requests {missing[:8]}")
-        unexpected = sorted(set(sampled_token_ids) - samplers)
-        if unexpected:
-            raise ValueError(f"sampled tokens for requests that do not sample: {unexpected[:8]}")
-        got_token = []
-        for s in live:
-            request = s.request
-            samples = s.samples  # read before the token is appended
-            request.num_computed_tokens += s.num_new_tokens
-            self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-            if samples:
-                request.output_token_ids.append(sampled_token_ids[request.request_id])
-                if request.first_token_time is None:
-                    request.first_token_time = time.monotonic()
-                got_token.append(request)
-        return got_token
 
     def check_integrity(self, other_holders: list[list[int]] | None = None) -> None:
         """Check the KV cache manager, and that running requests, requests waiting for remote KV,
@@ -407,6 +371,8 @@ class Scheduler(RemoteKVMixin, SwapInMixin):
             < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: re-prefill once it is known (FIFO)
             kv.get_computed_blocks(request)  # sets num_cached_tokens and num_computed_tokens
             if request.remote_prefill is not None:  # PD decode node: blocks now, KV pulled
                 if not kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens):

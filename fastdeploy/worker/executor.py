@@ -35,6 +35,7 @@ from fastdeploy.distributed.parallel_state import (
 )
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.model_loader import check_tensor_parallel
+from fastdeploy.worker.async_output import PendingOutput
 from fastdeploy.worker.gpu_worker import GpuWorker
 from fastdeploy.worker.input_batch import rank_step
 from fastdeploy.worker.worker_process import (
@@ -188,6 +189,11 @@ class TensorParallelWorker:
             return self.worker.execute_model(sched)
         dispatch = self.worker.runner.dispatch(sched)
         return self._call("execute_model", sched, dispatch, sent=(rank_step(sched), dispatch))
+
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """:meth:`execute_model`, already waited for: the steps of a tensor-parallel group are
+        synchronous (the overlap schedule is off under tensor parallelism)."""
+        return PendingOutput.ready(self.execute_model(sched))
 
     def shutdown(self) -> None:
         """End every rank (a shutdown message, then SIGTERM/SIGKILL for any left) and release

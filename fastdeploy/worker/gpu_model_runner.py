@@ -10,7 +10,6 @@ captures or replays that bucket from inputs this runner prepared.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -19,19 +18,17 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 from fastdeploy.model_executor.layers.sampler import Sampler
-from fastdeploy.worker.input_batch import InputBuffers, StepInputs, dummy_step, split_tokens
+from fastdeploy.worker.async_output import OutputStager, PendingOutput, SampledToken
+from fastdeploy.worker.input_batch import (
+    InputBuffers,
+    LastSampled,
+    StepInputs,
+    dummy_step,
+    split_tokens,
+)
 from fastdeploy.worker.sampling_buffers import SamplingBuffers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledToken:
-    """One sampled token; ``top_logprobs`` is ``[(token_id, logprob), ...]`` when asked."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class GPUModelRunner:
@@ -66,6 +63,10 @@ class GPUModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.sampling = SamplingBuffers(buffers.max_num_reqs, device, seed)
+        self.outputs = OutputStager(buffers.max_num_reqs, device)
+        # The latest step's sampled tokens on the device: the next step's placeholder rows
+        # (overlap schedule) read them there.
+        self.last_sampled: LastSampled | None = None
         self.graph_runner = None  # set by the worker when CUDA graphs are on
         self.steps_by_mode = {"full": 0, "piecewise": 0, "eager": 0}
         self.num_padded_tokens = 0
@@ -138,14 +139,31 @@ class GPUModelRunner:
             sched.is_decode_only, len(sched.scheduled), sched.num_batched_tokens
         )
 
-    @torch.inference_mode()
     def execute_model(
         self,
         sched: SchedulerOutput,
         dispatch: tuple[str, int | None] | None = None,
         layer_events: list | None = None,
     ) -> dict[str, SampledToken]:
-        """Run one step and sample a token for every request that reaches its last known token.
+        """Run one step and wait for its tokens: :meth:`execute_model_async`, then its
+        ``result()``.
+
+        Returns:
+            request id -> sampled token, for the requests with ``ScheduledRequest.samples``;
+            empty on a rank that is not the driver.
+        """
+        return self.execute_model_async(sched, dispatch, layer_events).result()
+
+    @torch.inference_mode()
+    def execute_model_async(
+        self,
+        sched: SchedulerOutput,
+        dispatch: tuple[str, int | None] | None = None,
+        layer_events: list | None = None,
+    ) -> PendingOutput:
+        """Queue one step and the copy of its sampled tokens; returns without waiting for the
+        device (no host sync on CUDA: inputs go through pinned buffers, and a placeholder token
+        of the previous step is fed on the device).
 
         Call it for every scheduled step, empty ones included: the requests of
         ``sched.finished_request_ids`` give back their sampling state here. Preempted requests
@@ -158,24 +176,29 @@ class GPUModelRunner:
                 event per layer, that layer's copies; see :meth:`forward`.
 
         Returns:
-            request id -> sampled token, for the requests with ``ScheduledRequest.samples``;
-            empty on a rank that is not the driver.
+            The step's :class:`~fastdeploy.worker.async_output.PendingOutput`: its
+            ``result()`` waits on the step's one event and gives request id -> sampled token
+            for the requests with ``ScheduledRequest.samples`` (empty on a rank that is not the
+            driver).
         """
         for rid in sched.finished_request_ids:
             self.sampling.free(rid)
         if sched.is_empty:
-            return {}
+            return PendingOutput.ready({})
         hidden, inputs, _ = self.forward(sched, dispatch, layer_events)
+        self.last_sampled = None
         if not inputs.sampling_reqs:
-            return {}
+            return PendingOutput.ready({})
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not self.is_driver:
-            return {}
+            return PendingOutput.ready({})
         reqs = [s.request for s in sched.scheduled if s.samples]
         out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]))
         self.sampling.record(reqs, out.token_ids)
-        return self._to_host(out, inputs.sampling_reqs)
+        rows = {rid: i for i, rid in enumerate(inputs.sampling_reqs)}
+        self.last_sampled = LastSampled(out.token_ids, rows)
+        return self.outputs.stage(out, inputs.sampling_reqs)
 
     def forward(
         self,
@@ -202,7 +225,7 @@ class GPUModelRunner:
         mode, bucket = dispatch if dispatch is not None else self.dispatch(sched)
         if mode != "eager" and graphs is None:
             raise RuntimeError(f"step dispatched to a {mode} graph, but this rank has no graphs")
-        inputs = self.buffers.prepare(sched, padded=bucket)
+        inputs = self.buffers.prepare(sched, padded=bucket, last_sampled=self.last_sampled)
         if layer_events and mode != "eager":
             for event in layer_events:
                 event.wait()
@@ -217,16 +240,3 @@ class GPUModelRunner:
         self.steps_by_mode[mode] += 1
         self.num_padded_tokens += inputs.padded - inputs.num_tokens
         return hidden, inputs, mode
-
-    def _to_host(self, out, request_ids: list[str]) -> dict[str, SampledToken]:
-        ids = out.token_ids.tolist()
-        result = {rid: SampledToken(tok) for rid, tok in zip(request_ids, ids)}
-        if out.logprobs is not None:
-            lps = out.logprobs.tolist()
-            tops = out.top_ids.tolist() if out.top_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for i, rid in enumerate(request_ids):
-                result[rid].logprob = lps[i]
-                if tops is not None:
-                    result[rid].top_logprobs = list(zip(tops[i], top_lps[i]))
-        return result

@@ -325,6 +325,11 @@ class GpuWorker:
         """Run one scheduled step; see :meth:`GPUModelRunner.execute_model`."""
         return self.runner.execute_model(sched, dispatch, layer_events)
 
+    def execute_model_async(self, sched: SchedulerOutput, layer_events: list | None = None):
+        """Queue one scheduled step without waiting for its tokens; see
+        :meth:`GPUModelRunner.execute_model_async`."""
+        return self.runner.execute_model_async(sched, None, layer_events)
+
     def shutdown(self) -> None:
         """Release the host KV tier (once its copies ended), the graphs, the KV cache and the
         model (idempotent)."""

@@ -2,9 +2,13 @@
 
 The buffers are allocated once; every step writes into them in place, so a CUDA graph replay reads
 the same addresses that its capture saw. Padding rule (the only one): a step of ``n`` real
-tokens run
-as a bucket of ``padded`` tokens has rows ``n..padded-1`` with token id 0, position 0 and slot -1
-(no KV written); their outputs are sliced off.
+tokens run as a bucket of ``padded`` tokens has rows ``n..padded-1`` with token id 0, position 0
+and slot -1 (no KV written); their outputs are sliced off.
+
+Host data goes through pinned buffers with non-blocking copies (no host sync). Under the overlap
+schedule a request's last token may still be on the device (sampled by the step in flight): its
+row is filled on the device from that step's sampled tokens (:class:`LastSampled`), after the
+copies and before the forward or graph replay.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
+from fastdeploy.worker.host_staging import StagingSets
 
 
 @dataclass
@@ -32,6 +37,8 @@ class StepInputs:
         logits_indices: int64 ``[num_sampling]``, rows whose hidden states are turned into logits.
         sampling_reqs: request ids aligned with ``logits_indices``.
         num_tokens / padded: real and padded token counts.
+        num_fed: token rows whose id came from the previous step's sampled tokens on the device
+            (overlap schedule), not from the host.
     """
 
     input_ids: torch.Tensor
@@ -41,10 +48,27 @@ class StepInputs:
     sampling_reqs: list[str]
     num_tokens: int
     padded: int
+    num_fed: int = 0
+
+
+@dataclass
+class LastSampled:
+    """The latest step's sampled tokens, still on the device, for the overlap schedule: the next
+    step's placeholder rows take their ids from here.
+
+    Attributes:
+        token_ids: int64 ``[num_sampling]`` on the device, the sampler's output.
+        rows: request id -> row of ``token_ids``.
+    """
+
+    token_ids: torch.Tensor
+    rows: dict[str, int]
 
 
 class InputBuffers:
-    """Owner of the runner's persistent input tensors.
+    """Owner of the runner's persistent input tensors and of the pinned host buffers they are
+    filled through (:class:`~fastdeploy.worker.host_staging.StagingSets`: every copy is
+    non-blocking, none waits for the device).
 
     Args:
         max_num_tokens: largest step in tokens (``max_num_batched_tokens``, or the largest capture
@@ -68,30 +92,42 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
-        pin = device.type == "cuda"
+        specs = {
+            "input_ids": ((max_num_tokens,), torch.int64),
+            "positions": ((max_num_tokens,), torch.int64),
+            "slot_mapping": ((max_num_tokens,), torch.int64),
+            "query_start_loc": ((max_num_reqs + 1,), torch.int32),
+            "seq_lens": ((max_num_reqs,), torch.int32),
+            "block_tables": ((max_num_reqs, max_blocks_per_seq), torch.int32),
+            "logits_indices": ((max_num_reqs,), torch.int64),
+            "fed_rows": ((max_num_reqs,), torch.int64),
+            "fed_from": ((max_num_reqs,), torch.int64),
+        }
+        self._staging = StagingSets(specs, device)
+        for name, (shape, dtype) in specs.items():
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
 
-        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return cpu, (torch.zeros(shape, dtype=dtype, device=device) if pin else cpu.clone())
+    def prepare(
+        self,
+        sched: SchedulerOutput,
+        padded: int | None = None,
+        last_sampled: LastSampled | None = None,
+    ) -> StepInputs:
+        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then one
+        non-blocking copy per buffer).
 
-        self.input_ids_cpu, self.input_ids = pair((max_num_tokens,), torch.int64)
-        self.positions_cpu, self.positions = pair((max_num_tokens,), torch.int64)
-        self.slot_mapping_cpu, self.slot_mapping = pair((max_num_tokens,), torch.int64)
-        self.query_start_loc_cpu, self.query_start_loc = pair((max_num_reqs + 1,), torch.int32)
-        self.seq_lens_cpu, self.seq_lens = pair((max_num_reqs,), torch.int32)
-        self.block_tables_cpu, self.block_tables = pair(
-            (max_num_reqs, max_blocks_per_seq), torch.int32
-        )
-
-    def prepare(self, sched: SchedulerOutput, padded: int | None = None) -> StepInputs:
-        """Copy one scheduled step into the buffers (host numpy work, then one copy per buffer).
+        A request whose last token is a placeholder (sampled by the step in flight, overlap
+        schedule) gets that row from ``last_sampled`` with a device gather and scatter after the
+        copies: the host never waits for it.
 
         Args:
             sched: the step; requests are laid out in ``sched.scheduled`` order.
             padded: token count to pad to (a capture bucket), or ``None`` for no padding.
+            last_sampled: the previous step's tokens on the device, for placeholder rows.
 
         Raises:
             ValueError: the step exceeds the buffers (more tokens, requests or blocks than sized).
+            RuntimeError: a placeholder row whose token ``last_sampled`` does not hold.
         """
         reqs = sched.scheduled
         num_reqs = len(reqs)
@@ -104,6 +140,8 @@ class InputBuffers:
                 f"step of {padded} tokens / {num_reqs} requests exceeds the runner's buffers "
                 f"({self.max_num_tokens} tokens, {self.max_num_reqs} requests)"
             )
+        staged = self._staging.next()
+        host = {name: t.numpy() for name, t in staged.items()}
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
         seq_lens = starts + query_lens
@@ -111,13 +149,20 @@ class InputBuffers:
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
         positions = starts[req_of_token] + np.arange(num_tokens) - cu[req_of_token]
 
-        ids = self.input_ids_cpu.numpy()
+        ids = host["input_ids"]
+        num_fed = 0
         for i, s in enumerate(reqs):
             a, b = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            ids[cu[i] : cu[i + 1]] = _token_slice(s.request, a, b)
+            known = min(b, s.request.num_tokens)
+            ids[cu[i] : cu[i] + known - a] = _token_slice(s.request, a, known)
+            if known < b:
+                ids[cu[i + 1] - 1] = 0
+                host["fed_rows"][num_fed] = cu[i + 1] - 1
+                host["fed_from"][num_fed] = _fed_from(s, b - known, last_sampled)
+                num_fed += 1
         ids[num_tokens:padded] = 0
 
-        tables = self.block_tables_cpu.numpy()
+        tables = host["block_tables"]
         for i, s in enumerate(reqs):
             blocks = s.request.block_ids
             if len(blocks) > self.max_blocks_per_seq:
@@ -128,19 +173,22 @@ class InputBuffers:
             tables[i, : len(blocks)] = blocks
             tables[i, len(blocks) :] = 0
         block_idx = tables[req_of_token, positions // self.block_size]
-        slots = self.slot_mapping_cpu.numpy()
+        slots = host["slot_mapping"]
         slots[:num_tokens] = (
             block_idx.astype(np.int64) * self.block_size + positions % self.block_size
         )
         slots[num_tokens:padded] = -1
-        self.positions_cpu.numpy()[:num_tokens] = positions
-        self.positions_cpu.numpy()[num_tokens:padded] = 0
-        self.query_start_loc_cpu.numpy()[: num_reqs + 1] = cu
-        self.seq_lens_cpu.numpy()[:num_reqs] = seq_lens
-
-        self._upload(padded, num_reqs)
+        host["positions"][:num_tokens] = positions
+        host["positions"][num_tokens:padded] = 0
+        host["query_start_loc"][: num_reqs + 1] = cu
+        host["seq_lens"][:num_reqs] = seq_lens
         sampling = [i for i, s in enumerate(reqs) if s.samples]
-        logits_idx = torch.tensor([int(cu[i + 1]) - 1 for i in sampling], dtype=torch.int64)
+        host["logits_indices"][: len(sampling)] = cu[1:][sampling] - 1
+
+        self._upload(staged, padded, num_reqs, len(sampling), num_fed)
+        if num_fed:
+            fed = last_sampled.token_ids.index_select(0, self.fed_from[:num_fed])
+            self.input_ids.index_copy_(0, self.fed_rows[:num_fed], fed)
         batch = AttentionBatch(
             num_reqs=num_reqs,
             num_tokens=num_tokens,
@@ -158,24 +206,47 @@ class InputBuffers:
             input_ids=self.input_ids[:padded],
             positions=self.positions[:padded],
             batch=batch,
-            logits_indices=logits_idx.to(self.device, non_blocking=True),
+            logits_indices=self.logits_indices[: len(sampling)],
             sampling_reqs=[reqs[i].request.request_id for i in sampling],
             num_tokens=num_tokens,
             padded=padded,
+            num_fed=num_fed,
         )
 
-    def _upload(self, padded: int, num_reqs: int) -> None:
-        if self.input_ids is self.input_ids_cpu:
-            return
-        for cpu, dev, n in (
-            (self.input_ids_cpu, self.input_ids, padded),
-            (self.positions_cpu, self.positions, padded),
-            (self.slot_mapping_cpu, self.slot_mapping, padded),
-            (self.query_start_loc_cpu, self.query_start_loc, num_reqs + 1),
-            (self.seq_lens_cpu, self.seq_lens, num_reqs),
-            (self.block_tables_cpu, self.block_tables, num_reqs),
+    def _upload(
+        self,
+        host: dict[str, torch.Tensor],
+        padded: int,
+        num_reqs: int,
+        num_sampling: int,
+        num_fed: int,
+    ) -> None:
+        """Queue the copies of this step's share of the host set ``host`` (no host wait)."""
+        for name, n in (
+            ("input_ids", padded),
+            ("positions", padded),
+            ("slot_mapping", padded),
+            ("query_start_loc", num_reqs + 1),
+            ("seq_lens", num_reqs),
+            ("block_tables", num_reqs),
+            ("logits_indices", num_sampling),
+            ("fed_rows", num_fed),
+            ("fed_from", num_fed),
         ):
-            dev[:n].copy_(cpu[:n], non_blocking=True)
+            if n:
+                getattr(self, name)[:n].copy_(host[name][:n], non_blocking=True)
+        self._staging.copies_queued()
+
+
+def _fed_from(s: ScheduledRequest, num_unknown: int, last_sampled: LastSampled | None) -> int:
+    """Row of ``last_sampled`` holding the placeholder token of ``s`` (its last token)."""
+    rid = s.request.request_id
+    if num_unknown != 1 or last_sampled is None or rid not in last_sampled.rows:
+        raise RuntimeError(
+            f"request {rid!r} needs {num_unknown} token id that the host does not know; "
+            "allowed: its last token only, sampled by the previous step"
+        )
+    return last_sampled.rows[rid]
 
 
 @dataclass
@@ -196,6 +267,12 @@ class RankRequest:
     num_tokens: int
     step_token_ids: list[int]
 
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """``num_tokens``: a step is sent to the other ranks with every token known (the
+        overlap schedule is off under tensor parallelism)."""
+        return self.num_tokens
+
 
 def rank_step(sched: SchedulerOutput) -> SchedulerOutput:
     """``sched`` as rank 0 sends it to the other ranks: the same layout over
@@ -205,6 +282,11 @@ def rank_step(sched: SchedulerOutput) -> SchedulerOutput:
     for s in sched.scheduled:
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
         request = s.request
+        if request.num_output_placeholders:
+            raise RuntimeError(
+                f"request {request.request_id!r} has a token still on rank 0's device; the "
+                "overlap schedule must be off under tensor parallelism"
+            )
         stand_in = RankRequest(
             request.request_id,
             list(request.block_ids),

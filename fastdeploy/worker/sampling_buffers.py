@@ -4,10 +4,12 @@ A request gets a slot the first time it samples and keeps it until it finishes o
 preemption included: its parameters, its seeded generator (whose state is the number of tokens
 it drew), its output-token counts (penalties) and its prompt and stop-token masks stay in the
 slot while it waits to be re-admitted, so a preempted request continues exactly where it
-stopped. Parameters are written once, when the slot is taken; each step only copies the row ->
-slot indices and the ``min_tokens`` flags to the device and gathers rows (fixed addresses and
+stopped. Parameters are written once, when the slot is taken: the new slots of a step are
+written together, through pinned memory and device scatters. Each step only copies the row ->
+slot indices and the ``min_tokens`` flags to the device, through persistent pinned buffers
+(:class:`~fastdeploy.worker.host_staging.StagingSets`), and gathers rows (fixed addresses and
 shapes, no loop over the vocabulary), so the logits processing can later run inside a decode
-CUDA graph.
+CUDA graph. Nothing here waits for the device.
 
 Slots: ``max_num_seqs``. A request holds one from its first sampled token while it runs or waits
 preempted; the scheduler admits no new request while a preempted one waits (preempted requests
@@ -28,6 +30,17 @@ from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from fastdeploy.model_executor.layers.logits_processor import LogitsProcessingMetadata
 from fastdeploy.model_executor.layers.sampler import SamplingMetadata
+from fastdeploy.worker.host_staging import StagingSets, to_device_async
+
+#: Columns of :attr:`SamplingBuffers.params` and the ``SamplingParams`` field of each.
+_PARAM_COLUMNS = ("temperature", "top_p", "repetition", "frequency", "presence")
+_PARAM_ATTRS = (
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 class SamplingBuffers:
@@ -46,18 +59,20 @@ class SamplingBuffers:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         n = max_num_reqs
-        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        # One row of scalar parameters per slot, written in one scatter per step that admits
+        # requests: temperature, top_p, repetition, frequency and presence penalties.
+        self.params = torch.zeros((n, len(_PARAM_COLUMNS)), dtype=torch.float32, device=device)
+        self.params[:, _PARAM_COLUMNS.index("top_p")] = 1
+        self.params[:, _PARAM_COLUMNS.index("repetition")] = 1
+        for i, name in enumerate(_PARAM_COLUMNS):
+            setattr(self, name, self.params[:, i])  # views, gathered by slot
         self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
-        self.repetition = torch.ones(n, dtype=torch.float32, device=device)
-        self.frequency = torch.zeros(n, dtype=torch.float32, device=device)
-        self.presence = torch.zeros(n, dtype=torch.float32, device=device)
         k = MAX_LOGIT_BIAS_ENTRIES
         self.bias_ids = torch.zeros((n, k), dtype=torch.int64, device=device)
         self.bias_values = torch.zeros((n, k), dtype=torch.float32, device=device)
-        pin = device.type == "cuda"
-        self._rows_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self._active_cpu = torch.zeros(n, dtype=torch.bool, pin_memory=pin)
+        self._staging = StagingSets(
+            {"rows": ((n,), torch.int64), "active": ((n,), torch.bool)}, device
+        )
         self._rows = torch.zeros(n, dtype=torch.int64, device=device)
         self._active = torch.zeros(n, dtype=torch.bool, device=device)
         # [slots, vocab], allocated on first need (see the module docstring).
@@ -103,14 +118,23 @@ class SamplingBuffers:
             RuntimeError: no slot is free (more requests alive than ``max_num_seqs``).
         """
         n = len(reqs)
-        rows = self._rows_cpu.numpy()
-        active = self._active_cpu.numpy()
+        staged = self._staging.next()
+        rows, active = staged["rows"].numpy(), staged["active"].numpy()
+        new = []
         for i, r in enumerate(reqs):
             slot = self._slot_of.get(r.request_id)
-            rows[i] = self._take_slot(r, vocab_size) if slot is None else slot
-            active[i] = len(r.output_token_ids) < r.sampling_params.min_tokens
-        self._rows[:n].copy_(self._rows_cpu[:n], non_blocking=True)
-        self._active[:n].copy_(self._active_cpu[:n], non_blocking=True)
+            if slot is None:
+                slot = self._take_slot(r)
+                new.append((r, slot))
+            rows[i] = slot
+            # Tokens still in flight (overlap schedule) count: this row samples after them.
+            num_out = len(r.output_token_ids) + r.num_output_placeholders
+            active[i] = num_out < r.sampling_params.min_tokens
+        if new:
+            self._write_slots(new, vocab_size)
+        self._rows[:n].copy_(staged["rows"][:n], non_blocking=True)
+        self._active[:n].copy_(staged["active"][:n], non_blocking=True)
+        self._staging.copies_queued()
         slots = self._rows[:n]
         params = [r.sampling_params for r in reqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -154,8 +178,9 @@ class SamplingBuffers:
             return None
         return meta
 
-    def _take_slot(self, request: Request, vocab_size: int) -> int:
-        """Assign a free slot to ``request`` and write its parameters and masks there."""
+    def _take_slot(self, request: Request) -> int:
+        """Assign a free slot to ``request`` (host bookkeeping and its seeded generator; the
+        parameters are written by :meth:`_write_slots`)."""
         if not self._free:
             raise RuntimeError(
                 f"no sampling slot is free for request {request.request_id!r}: all "
@@ -163,47 +188,70 @@ class SamplingBuffers:
             )
         slot = self._free.pop()
         self._slot_of[request.request_id] = slot
-        p = request.sampling_params
-        self.temperature[slot] = p.temperature
-        self.top_p[slot] = p.top_p
-        self.top_k[slot] = max(p.top_k, 0)
-        self.repetition[slot] = p.repetition_penalty
-        self.frequency[slot] = p.frequency_penalty
-        self.presence[slot] = p.presence_penalty
-        if p.seed is not None:
+        seed = request.sampling_params.seed
+        if seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(p.seed)
+            gen.manual_seed(seed)
             self._generators[slot] = gen
-        self.bias_ids[slot].zero_()
-        self.bias_values[slot].zero_()
-        if p.logit_bias:
-            ids = np.zeros(MAX_LOGIT_BIAS_ENTRIES, dtype=np.int64)
-            values = np.zeros(MAX_LOGIT_BIAS_ENTRIES, dtype=np.float32)
-            ids[: len(p.logit_bias)] = list(p.logit_bias)
-            values[: len(p.logit_bias)] = list(p.logit_bias.values())
-            self.bias_ids[slot] = torch.from_numpy(ids)
-            self.bias_values[slot] = torch.from_numpy(values)
-        stop_ids = request.min_tokens_stop_ids
-        if stop_ids:
+        return slot
+
+    def _write_slots(self, new: list[tuple[Request, int]], vocab_size: int) -> None:
+        """Write the parameters and masks of newly taken slots, batched: a few non-blocking
+        copies through pinned memory and device scatters per step that admits requests, none
+        per request and none that waits for the device."""
+        dev = self.device
+        slots = to_device_async([slot for _, slot in new], torch.int64, dev)
+        values = np.array(
+            [[getattr(r.sampling_params, a) for a in _PARAM_ATTRS] for r, _ in new], np.float32
+        )
+        top_k = [max(r.sampling_params.top_k, 0) for r, _ in new]
+        self.params.index_copy_(0, slots, to_device_async(values, torch.float32, dev))
+        self.top_k.index_copy_(0, slots, to_device_async(top_k, torch.int64, dev))
+        self.bias_ids.index_fill_(0, slots, 0)
+        self.bias_values.index_fill_(0, slots, 0)
+        biased = [(r.sampling_params.logit_bias, i) for i, (r, _) in enumerate(new)]
+        biased = [(bias, i) for bias, i in biased if bias]
+        if biased:
+            k = MAX_LOGIT_BIAS_ENTRIES
+            ids = np.zeros((len(biased), k), dtype=np.int64)
+            vals = np.zeros((len(biased), k), dtype=np.float32)
+            for row, (bias, _) in enumerate(biased):
+                ids[row, : len(bias)] = list(bias)
+                vals[row, : len(bias)] = list(bias.values())
+            at = slots.index_select(0, to_device_async([i for _, i in biased], torch.int64, dev))
+            self.bias_ids.index_copy_(0, at, to_device_async(ids, torch.int64, dev))
+            self.bias_values.index_copy_(0, at, to_device_async(vals, torch.float32, dev))
+        stops = [(slot, sorted(r.min_tokens_stop_ids)) for r, slot in new if r.min_tokens_stop_ids]
+        if stops:
             self.stop_mask = self._dense(self.stop_mask, vocab_size, torch.bool)
-            self._set_row(self.stop_mask, slot, sorted(stop_ids))
-        if p.has_penalties:
+            self._set_rows(self.stop_mask, stops)
+        penalized = [(r, slot) for r, slot in new if r.sampling_params.has_penalties]
+        if penalized:
             self.prompt_mask = self._dense(self.prompt_mask, vocab_size, torch.bool)
             self.output_counts = self._dense(self.output_counts, vocab_size, torch.int32)
-            self._set_row(self.prompt_mask, slot, request.prompt_token_ids)
-            self.output_counts[slot].zero_()
-            if request.output_token_ids:  # a PD decode leg starts with the prefill's token
-                idx = torch.tensor(request.output_token_ids, dtype=torch.int64).to(self.device)
-                self.output_counts[slot].index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
-        return slot
+            self._set_rows(self.prompt_mask, [(s, r.prompt_token_ids) for r, s in penalized])
+            # A PD decode leg starts with the prefill node's token: count it.
+            self._set_rows(
+                self.output_counts, [(s, r.output_token_ids) for r, s in penalized], count=True
+            )
 
     def _dense(self, buf: torch.Tensor | None, vocab_size: int, dtype: torch.dtype):
         if buf is None:
             buf = torch.zeros((self.num_slots, vocab_size), dtype=dtype, device=self.device)
         return buf
 
-    def _set_row(self, buf: torch.Tensor, slot: int, token_ids: list[int]) -> None:
-        buf[slot].zero_()
-        if token_ids:
-            idx = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            buf[slot].index_fill_(0, idx, True)
+    def _set_rows(
+        self, buf: torch.Tensor, rows: list[tuple[int, list[int]]], count: bool = False
+    ) -> None:
+        """Clear rows ``slot`` of ``buf`` ``[slots, vocab]``, then set (bool) or count (int) the
+        listed token ids in each: one index copy and two device scatters for all rows."""
+        dev = self.device
+        slots = [slot for slot, _ in rows]
+        buf.index_fill_(0, to_device_async(slots, torch.int64, dev), 0)
+        flat_rows = [slot for slot, ids in rows for _ in ids]
+        if not flat_rows:
+            return
+        flat_cols = [t for _, ids in rows for t in ids]
+        index = to_device_async([flat_rows, flat_cols], torch.int64, dev)
+        ones = torch.ones(len(flat_rows), dtype=buf.dtype, device=dev)
+        buf.index_put_((index[0], index[1]), ones, accumulate=count)

@@ -243,6 +243,39 @@ def test_plan_from_dict_rejects_unknown_key_and_inconsistency():
         GraphPlan.from_dict({**data, "prefill_capture_sizes": [1, 2]})
 
 
+def test_rule10_overlap_schedule_is_on_by_default_and_says_what_it_costs_on_cpu():
+    plan = resolve_graph_plan(make_config())
+    assert plan.overlap_schedule and "overlap schedule: on" in plan.describe()
+    assert not has_reason(plan, "overlap schedule")  # on CUDA it overlaps: nothing to explain
+    cpu = resolve_graph_plan(make_config(platform="cpu"))
+    assert cpu.overlap_schedule
+    assert has_reason(cpu, "overlap schedule on", "nothing overlaps", "--disable-overlap-schedule")
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda c: setattr(c.scheduler_config, "disable_overlap_schedule", True),
+         "disable_overlap_schedule=true"),
+        (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2),
+         "tensor_parallel_size=2"),
+        (lambda c: setattr(c.parallel_config, "splitwise_role", "prefill"),
+         "splitwise_role=prefill"),
+        (lambda c: setattr(c.parallel_config, "splitwise_role", "decode"),
+         "splitwise_role=decode"),
+        (lambda c: setattr(c.cache_config, "swap_space", 4), "host KV tier"),
+    ],
+)  # fmt: skip
+def test_rule10_overlap_schedule_off_says_why(edit, fragment):
+    config = make_config()
+    edit(config)
+    plan = resolve_graph_plan(config)
+    assert not plan.overlap_schedule and "overlap schedule: off" in plan.describe()
+    assert has_reason(plan, "overlap schedule off", fragment)
+    again = GraphPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+
+
 # ---------------------------------------------------------------- dispatch (pure, every branch)
 def test_dispatch_decode_only_replays_the_smallest_decode_bucket():
     plan = resolve_graph_plan(make_config(max_num_seqs=20, max_num_batched_tokens=50))

@@ -24,6 +24,10 @@ that users can read (startup log, ``--print-config``). The rules are numbered as
 9. tensor parallelism: the fused all-reduce + residual add + RMSNorm is on only with
    ``enable_flashinfer_allreduce_fusion``, on CUDA, on one host and where flashinfer's comm module
    imports; its workspace holds the largest step (:func:`_allreduce_fusion`).
+10. the overlap schedule (the host prepares step N+1 while the device runs step N) is on unless
+   ``disable_overlap_schedule``, tensor parallelism, a PD role or a host KV tier turns it off
+   (:func:`_overlap_schedule`); not a graph, but a step-loop switch that this plan carries so
+   that ``--print-config`` shows it with its reason.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class GraphPlan:
             line says why it is on or off under tensor parallelism).
         allreduce_fusion_max_tokens: the tokens its workspace holds (0 when off): the largest
             step the engine can run, so no step falls back to the unfused path.
+        overlap_schedule: rule 10, the engine schedules step N+1 while step N runs and learns
+            step N's tokens one step later (a reason line says why when it is off).
     """
 
     decode_graphs: bool
@@ -80,6 +86,7 @@ class GraphPlan:
     reasons: list[str] = field(default_factory=list)
     allreduce_fusion: bool = False
     allreduce_fusion_max_tokens: int = 0
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         for on, name in (
@@ -166,6 +173,7 @@ class GraphPlan:
             f"decode graphs (full): {decode}",
             f"prefill/mixed graphs (piecewise): {prefill}",
             f"full_cuda_graph={self.full_cuda_graph}, graph_opt_level={self.graph_opt_level}",
+            f"overlap schedule: {'on' if self.overlap_schedule else 'off'}",
         ]
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
@@ -324,6 +332,40 @@ def _allreduce_fusion(config: FDConfig, prefill_sizes: list[int]) -> tuple[bool,
     return True, max_tokens, reason
 
 
+def _overlap_schedule(config: FDConfig) -> tuple[bool, str | None]:
+    """Rule 10: ``(on, reason line)`` of the overlap schedule; the reason says why it is off, or
+    what it costs where it gains nothing (a synchronous device)."""
+    parallel = config.parallel_config
+    why = None
+    if config.scheduler_config.disable_overlap_schedule:
+        why = "disable_overlap_schedule=true"
+    elif parallel.tensor_parallel_size > 1:
+        why = (
+            f"tensor_parallel_size={parallel.tensor_parallel_size}; rank 0 sends each step to "
+            "the other ranks with its token ids known on the host, so every step waits for the "
+            "previous one's tokens"
+        )
+    elif parallel.splitwise_role != "mixed":
+        why = (
+            f"splitwise_role={parallel.splitwise_role}; the PD bookkeeping (first tokens, held "
+            "blocks, KV pulls) runs on each step's tokens as soon as it ends"
+        )
+    elif config.cache_config.swap_space > 0:
+        why = (
+            "the host KV tier (swap_space > 0) stores and swaps blocks in between steps, timed "
+            "by the step that wrote them"
+        )
+    if why is not None:
+        return False, f"overlap schedule off: {why}"
+    if not get_platform(config.device_config.device).can_capture_graphs:
+        return True, (
+            f"overlap schedule on: the {config.device_config.device} device runs each step "
+            "before the host goes on, so nothing overlaps and outputs come one step later; it "
+            "stays on so this path is tested (--disable-overlap-schedule turns it off)"
+        )
+    return True, None
+
+
 def resolve_graph_plan(config: FDConfig) -> GraphPlan:
     """Resolve which CUDA graphs to capture, and their buckets, for a resolved ``config``.
 
@@ -376,6 +418,8 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
             else default_prefill_sizes(graph.max_capture_shape_prefill, budget)
         )
     fusion, fusion_tokens, fusion_reason = _allreduce_fusion(config, prefill_sizes)  # rule 9
+    overlap, overlap_reason = _overlap_schedule(config)  # rule 10
+    extra = [r for r in (fusion_reason, overlap_reason) if r is not None]
     return GraphPlan(
         decode_graphs=decode,
         prefill_graphs=prefill,
@@ -383,7 +427,8 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
         prefill_capture_sizes=prefill_sizes,
         full_cuda_graph=graph.full_cuda_graph,
         graph_opt_level=graph.graph_opt_level,
-        reasons=reasons + ([fusion_reason] if fusion_reason else []),
+        reasons=reasons + extra,
         allreduce_fusion=fusion,
         allreduce_fusion_max_tokens=fusion_tokens,
+        overlap_schedule=overlap,
     )

@@ -1,0 +1,110 @@
+"""The engine's step pipeline, with or without the overlap schedule (SGLang's overlap scheduler,
+vLLM's async scheduling): a mixin of :class:`~fastdeploy.engine.engine.LLMEngine`.
+
+A step is launched, then finished:
+
+* launch: the worker queues the forward, the sampling and ONE copy of the sampled tokens to
+  pinned host memory (:class:`~fastdeploy.worker.async_output.PendingOutput`) and returns at once;
+  the scheduler applies the step's counters at once (:meth:`Scheduler.advance`): each request
+  that samples counts a placeholder for its token.
+* finish: the host waits on the step's event (its only wait), the placeholders become tokens
+  (:meth:`Scheduler.resolve`), the stop checker runs and the outputs are built.
+
+Without the overlap schedule a step is finished right after its launch. With it, ``step()``
+launches step N and then finishes step N-1, so the host schedules, prepares and launches N while
+the device still runs N-1, and reads N-1's tokens while the device runs N. A request that decodes
+in N-1 and N gets its N-1 token in N's input on the device (the runner scatters it from N-1's
+sampled tokens), and the host learns it one step later. What that costs, and how it stays
+correct:
+
+* a request that N-1's token ends (eos, a stop string or token) was scheduled into N: its N token
+  is computed and dropped (never appended or emitted), and its blocks are freed when N-1
+  finishes (the device writes them in stream order, before any later step reuses them);
+  ``min_tokens`` counts the placeholders, and the penalty counts are kept on the device;
+* a request that N-1's token ends by length is not scheduled into N (the scheduler asks the
+  length rule with its placeholders), so ``max_tokens`` wastes nothing;
+* a request aborted or preempted meanwhile: its token is dropped (aborted) or kept (preempted: it
+  was sampled from the whole context, and it re-prefills with the rest);
+* a seeded request draws from its own generator once per sampled token, so its tokens are the
+  same with the overlap schedule on or off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.request import Request
+from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.worker.async_output import PendingOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet.
+
+    Attributes:
+        output: the worker's handle on the step's sampled tokens.
+        samplers: the requests that sample in the step, in row order (from
+            :meth:`Scheduler.advance`).
+    """
+
+    output: PendingOutput
+    samplers: list[Request]
+
+
+class OverlapStepMixin:
+    """The launch and finish halves of :meth:`LLMEngine.step` (see the module docstring)."""
+
+    _in_flight: LaunchedStep | None = None
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """The plan's rule 10: step N+1 is scheduled while step N runs."""
+        return self.graph_plan.overlap_schedule
+
+    def _run_step(self, sched: SchedulerOutput, layer_events: list | None) -> list[EngineOutput]:
+        """Launch ``sched`` and finish the step that is due: ``sched`` itself, or under the
+        overlap schedule the previous step (``sched`` stays in flight)."""
+        launched = self._launch_step(sched, layer_events)
+        if self.overlap_schedule:
+            due, self._in_flight = self._in_flight, launched
+        else:
+            due = launched
+        host = self.host_tier
+        # Copies in flight are polled by stepping: not idle until they landed.
+        self.last_step_idle = (
+            launched is None and due is None and not (host is not None and host.has_work)
+        )
+        return self._finish_step(due) if due is not None else []
+
+    def _launch_step(
+        self, sched: SchedulerOutput, layer_events: list | None
+    ) -> LaunchedStep | None:
+        """Queue ``sched`` on the worker and apply its counters; None for an empty step (which
+        still reaches the worker: the runner frees the sampling state of finished requests)."""
+        if layer_events:
+            output = self.worker.execute_model_async(sched, layer_events=layer_events)
+        else:
+            output = self.worker.execute_model_async(sched)
+        if sched.is_empty:
+            return None
+        return LaunchedStep(output, self.scheduler.advance(sched))
+
+    def _finish_step(self, step: LaunchedStep) -> list[EngineOutput]:
+        """Wait for ``step``'s tokens, append them, stop-check and build the outputs."""
+        sampled = step.output.result()
+        token_ids = {rid: s.token_id for rid, s in sampled.items()}
+        now = time.monotonic()
+        outputs = []
+        for request in self.scheduler.resolve(step.samplers, token_ids):
+            tok = sampled[request.request_id]
+            logprobs = None
+            k = request.sampling_params.logprobs
+            if k is not None:
+                top = (tok.top_logprobs or [])[:k]
+                logprobs = [{"token_id": tok.token_id, "logprob": tok.logprob, "top_logprobs": top}]
+                request.output_logprobs.extend(logprobs)
+            outputs.append(self._token_output(request, tok.token_id, logprobs, now))
+        return outputs
