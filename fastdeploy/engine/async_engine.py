@@ -1,7 +1,7 @@
 """Asynchronous front of :class:`~fastdeploy.engine.engine.LLMEngine` for the API server.
 
-Structure: the engine's step loop runs on ONE dedicated background thread; everything else
-(tokenisation, chat templates, detokenisation with stop strings, HTTP and SSE streaming) runs on the
+Structure: the engine's step loop runs on ONE dedicated background thread, and detokenises there
+(below); everything else (tokenisation, chat templates, HTTP and SSE streaming) runs on the
 server's asyncio thread. Why a thread and not a separate process:
 
 * the model step spends its time inside torch ops, which release the GIL, so the asyncio thread
@@ -15,6 +15,14 @@ server's asyncio thread. Why a thread and not a separate process:
   The engine itself detokenises (its stop checker needs the text to decide which requests end,
   and a request ended by a stop string frees its KV blocks in that same step).
 
+Both threads share one GIL, so what the asyncio thread spends per step (at 64 streams, 64 new
+tokens) is taken from the engine's host time. The hand-off is kept small: one callback per step,
+each request's new output object handed over as it is (no copies; see
+:mod:`~fastdeploy.engine.output_processor`), one wake-up per stream, the step's token metrics
+recorded at once; the SSE chunks are encoded from templates
+(:mod:`~fastdeploy.entrypoints.openai.sse`). ``benchmarks/benchmark_server_overhead.py`` measures
+it.
+
 All calls into the engine (``add_request``, ``abort_request``, ``step``, ``get_stats``) happen on
 the engine thread, so the engine itself needs no locks; ``check_request`` is pure and runs on the
 asyncio thread.
@@ -23,7 +31,6 @@ asyncio thread.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -33,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.metrics import ServerMetrics
+from fastdeploy.engine.request_stream import RequestOutputs, RequestStream
+from fastdeploy.metrics import ServerMetrics, StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -93,67 +101,12 @@ IDLE_WAIT_S = 0.5
 
 @dataclass
 class _Tracked:
-    """Per-request state on the asyncio side: its output queue and timing for the metrics."""
+    """Per-request state on the asyncio side: its outputs and timing for the metrics."""
 
-    queue: asyncio.Queue
+    outputs: RequestOutputs
     num_prompt_tokens: int
     arrival: float
     last_token_time: float | None = None
-    num_output_tokens: int = 0
-
-
-def _snapshot(ro: Any) -> Any:
-    """A copy of a ``RequestOutput`` that later steps cannot change.
-
-    The output processor updates one ``RequestOutput`` per request in place, step after step; a
-    consumer that is a few steps behind would otherwise read a later step's ``delta_text`` in
-    place of the ones it missed. Costs one copy of the cumulative token id list per step.
-    """
-    snap = copy.copy(ro)
-    snap.outputs = []
-    for comp in ro.outputs:
-        c = copy.copy(comp)
-        c.token_ids = list(comp.token_ids)
-        if comp.logprobs is not None:
-            c.logprobs = list(comp.logprobs)
-        snap.outputs.append(c)
-    return snap
-
-
-class RequestStream:
-    """Async iterator over one request's :class:`RequestOutput` objects, ending after the finished
-    one. :meth:`close` aborts the request if it has not finished (its KV blocks are freed); it is
-    also called when the stream is garbage-collected unfinished, so a consumer that vanishes
-    before iterating still frees its request."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, out_queue: asyncio.Queue) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue = out_queue
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()  # cancellation-safe: no item is lost
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished. Idempotent."""
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class AsyncLLMEngine:
@@ -164,8 +117,9 @@ class AsyncLLMEngine:
             ``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
             ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
             ``vocab_size``).
-        output_processor: turns ``EngineOutput`` lists into cumulative ``RequestOutput`` lists;
-            default ``OutputProcessor()``.
+        output_processor: turns ``EngineOutput`` lists into cumulative ``RequestOutput`` lists,
+            new objects each step (they are handed to consumers as they are); default
+            ``OutputProcessor()``.
         max_concurrency: requests admitted at once (running + waiting); more raise
             :class:`QueueFullError`. ``None`` means no limit.
         metrics: where to record; a fresh :class:`ServerMetrics` by default.
@@ -257,12 +211,12 @@ class AsyncLLMEngine:
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
             raise QueueFullError(self.max_concurrency)
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
-        out_queue: asyncio.Queue = asyncio.Queue()
-        self._tracked[request_id] = _Tracked(out_queue, len(prompt_token_ids), time.monotonic())
+        outputs = RequestOutputs()
+        self._tracked[request_id] = _Tracked(outputs, len(prompt_token_ids), time.monotonic())
         self._commands.put(
             AddRequest(request_id, list(prompt_token_ids), sampling_params, kv_transfer_params)
         )
-        return RequestStream(self, request_id, out_queue)
+        return RequestStream(self, request_id, outputs)
 
     async def generate(
         self,
@@ -380,50 +334,54 @@ class AsyncLLMEngine:
         self.metrics.observe_stats(stats)
 
     def _on_step(self, outputs: list, stats: dict, now: float) -> None:
-        """Accumulate one step's outputs and hand them to their streams."""
+        """Accumulate one step's outputs and hand each to its stream (one wake-up per stream);
+        the step's token metrics are recorded at once."""
         self._on_stats(stats)
-        # Aborted requests may still produce tokens in the steps before the engine thread sees
-        # their abort command.
-        outputs = [o for o in outputs if o.request_id in self._tracked]
-        failed = [o for o in outputs if o.error is not None]
-        for o in failed:
-            self._fail(o.request_id, o.error)
-        if failed:
-            outputs = [o for o in outputs if o.error is None]
-        if not outputs:
+        tracked_by_id = self._tracked
+        live = []
+        for o in outputs:
+            # Aborted requests may still produce tokens in the steps before the engine thread
+            # sees their abort command.
+            if o.request_id not in tracked_by_id:
+                continue
+            if o.error is not None:
+                self._fail(o.request_id, o.error)
+            else:
+                live.append(o)
+        if not live:
             return
         try:
-            results = self._processor.process(outputs)
+            results = self._processor.process(live)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep the server up
             logger.exception("output processing failed")
-            for request_id in {o.request_id for o in outputs}:
+            for request_id in {o.request_id for o in live}:
                 self._fail(request_id, RuntimeError(f"output processing failed: {e!r}"))
             return
+        tokens = StepTokens()
         for ro in results:
-            tracked = self._tracked.get(ro.request_id)
+            tracked = tracked_by_id.get(ro.request_id)
             if tracked is None:
                 continue
-            self._record_tokens(tracked, ro, now)
-            tracked.queue.put_nowait(_snapshot(ro))
+            self._record_tokens(tracked, ro, now, tokens)
+            tracked.outputs.put(ro)
             if ro.finished:
-                del self._tracked[ro.request_id]
+                del tracked_by_id[ro.request_id]
                 reason = ro.outputs[0].finish_reason or "stop"
                 self.metrics.observe_finish(reason, now - tracked.arrival)
+        self.metrics.observe_step_tokens(tokens)
 
-    def _record_tokens(self, tracked: _Tracked, ro: Any, now: float) -> None:
-        """Feed the token counters and latency histograms from one cumulative output."""
-        num_tokens = len(ro.outputs[0].token_ids)
-        num_new = num_tokens - tracked.num_output_tokens
+    def _record_tokens(self, tracked: _Tracked, ro: Any, now: float, tokens: StepTokens) -> None:
+        """Count one output's new tokens into ``tokens`` (and its TTFT, for a first token)."""
+        num_new = len(ro.outputs[0].delta_token_ids)
         if num_new <= 0:
             return
-        tracked.num_output_tokens = num_tokens
         if tracked.last_token_time is None:
             self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
-            self.metrics.observe_tokens(1, None)
+            tokens.add(1, None)
             if num_new > 1:
-                self.metrics.observe_tokens(num_new - 1, 0.0)
+                tokens.add(num_new - 1, 0.0)
         else:
-            self.metrics.observe_tokens(num_new, now - tracked.last_token_time)
+            tokens.add(num_new, now - tracked.last_token_time)
         tracked.last_token_time = now
 
     def _fail(self, request_id: str, error: BaseException) -> None:
@@ -435,7 +393,7 @@ class AsyncLLMEngine:
         self._processor.abort_request(request_id)
         self._commands.put(AbortRequest(request_id))
         self.metrics.observe_finish("error", time.monotonic() - tracked.arrival)
-        tracked.queue.put_nowait(error)
+        tracked.outputs.put(error)
 
     def _on_dead(self, error: BaseException) -> None:
         self._dead = EngineDeadError(f"the engine loop failed: {error!r}")

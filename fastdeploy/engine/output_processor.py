@@ -4,30 +4,141 @@ The engine already decided which requests ended and cut their text at stop strin
 :class:`~fastdeploy.engine.stop_checker.StopChecker` is the one owner of that decision); this
 module only accumulates each request's tokens, text and logprobs, step after step, and exposes
 what the last step added (for streaming).
+
+Each step gives a request NEW output objects that later steps never change, so a consumer may keep
+them: the server's streams do, and one that is a few steps behind still reads every step's delta.
+Without copying the whole output every step: a request's cumulative ``token_ids`` and ``logprobs``
+are one list that grows in place, and each step's :class:`CompletionOutput` holds it with its
+length at that step; reading ``token_ids`` of an unfinished output copies that prefix once (the
+streaming paths never read it: they use the deltas, and the finished output's full lists).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.sampling_params import SamplingParams
 
+_FIELDS = (
+    "index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "delta_text",
+    "delta_token_ids", "delta_logprobs",
+)  # fmt: skip
 
-@dataclass
+
 class CompletionOutput:
-    """One generated sequence. ``text``/``token_ids`` are cumulative; ``delta_text`` and
-    ``delta_token_ids`` are what this update added (for streaming)."""
+    """One generated sequence. ``text``/``token_ids``/``logprobs`` are cumulative; ``delta_text``,
+    ``delta_token_ids`` and ``delta_logprobs`` are what this update added (for streaming).
 
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[dict] | None = None
+    Built like a dataclass of the fields in that order (``CompletionOutput(0, "text", [ids])``);
+    ``token_ids`` and ``logprobs`` may also be a prefix of a list that keeps growing, see
+    :meth:`prefix_of`."""
+
+    __slots__ = (
+        "index", "text", "finish_reason", "stop_reason", "delta_text", "delta_token_ids",
+        "delta_logprobs", "_token_ids", "_num_token_ids", "_logprobs", "_num_logprobs", "_shared",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        index: int,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        logprobs: list[dict] | None = None,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        delta_text: str = "",
+        delta_token_ids: list[int] | None = None,
+        delta_logprobs: list[dict] | None = None,
+    ) -> None:
+        self.index = index
+        self.text = text
+        self.token_ids = [] if token_ids is None else token_ids
+        self.logprobs = logprobs
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.delta_text = delta_text
+        self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
+        self.delta_logprobs = delta_logprobs
+
+    @classmethod
+    def prefix_of(
+        cls,
+        token_ids: list[int],
+        logprobs: list[dict] | None,
+        shared: bool,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        delta_text: str,
+        delta_token_ids: list[int],
+        delta_logprobs: list[dict] | None,
+    ) -> CompletionOutput:
+        """Output 0 of a request, whose ``token_ids`` and ``logprobs`` are the first ``len()``
+        items, as they are now, of lists the caller goes on extending in place when ``shared``
+        (they are copied on first read); with ``shared`` False the lists are the output's own.
+        The other arguments are the fields of the same names."""
+        out = cls.__new__(cls)
+        out.index = 0
+        out.text = text
+        out.finish_reason = finish_reason
+        out.stop_reason = stop_reason
+        out.delta_text = delta_text
+        out.delta_token_ids = delta_token_ids
+        out.delta_logprobs = delta_logprobs
+        out._token_ids = token_ids
+        out._num_token_ids = len(token_ids)
+        out._logprobs = logprobs
+        out._num_logprobs = len(logprobs) if logprobs is not None else 0
+        out._shared = shared
+        return out
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token id so far."""
+        if self._shared:
+            self._freeze()
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids, self._num_token_ids = value, len(value)
+        self._shared = False
+
+    @property
+    def num_token_ids(self) -> int:
+        """``len(token_ids)``, without copying a shared prefix."""
+        return self._num_token_ids
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        """Every output token's logprobs entry so far, or None without logprobs."""
+        if self._shared:
+            self._freeze()
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: list[dict] | None) -> None:
+        if getattr(self, "_shared", False):
+            self._freeze()
+        self._logprobs = value
+        self._num_logprobs = len(value) if value is not None else 0
+
+    def _freeze(self) -> None:
+        """Copy the shared prefixes into lists of this output's own."""
+        self._token_ids = self._token_ids[: self._num_token_ids]
+        if self._logprobs is not None:
+            self._logprobs = self._logprobs[: self._num_logprobs]
+        self._shared = False
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _FIELDS)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS)
+        return f"CompletionOutput({inner})"
 
 
 @dataclass
@@ -44,12 +155,26 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
 
 
+class _Accumulated:
+    """What a request has produced so far; ``token_ids`` and ``logprobs`` only ever grow."""
+
+    __slots__ = ("prompt", "prompt_token_ids", "text", "token_ids", "logprobs", "kv_params")
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] | None = None
+        self.kv_params: dict | None = None
+
+
 class OutputProcessor:
     """Turns :class:`EngineOutput` deltas into cumulative :class:`RequestOutput` objects (the
-    text itself comes from the engine)."""
+    text itself comes from the engine), new ones each step (module docstring)."""
 
     def __init__(self) -> None:
-        self._outputs: dict[str, RequestOutput] = {}
+        self._requests: dict[str, _Accumulated] = {}
 
     def add_request(
         self,
@@ -59,37 +184,51 @@ class OutputProcessor:
         sampling_params: SamplingParams,
     ) -> None:
         """Start tracking a request (call right after ``engine.add_request``)."""
-        self._outputs[request_id] = RequestOutput(
-            request_id, prompt, list(prompt_token_ids), [CompletionOutput(index=0)]
-        )
+        self._requests[request_id] = _Accumulated(prompt, list(prompt_token_ids))
 
     def abort_request(self, request_id: str) -> None:
         """Stop tracking a request."""
-        self._outputs.pop(request_id, None)
+        self._requests.pop(request_id, None)
 
     def process(self, outputs: list[EngineOutput]) -> list[RequestOutput]:
-        """Apply one step's outputs; returns the updated requests (finished ones are dropped from
-        tracking after this call). Outputs of untracked requests are ignored."""
+        """Apply one step's outputs; returns the requests' new outputs (finished requests are
+        dropped from tracking after this call). Outputs of untracked requests are ignored."""
         results = []
+        requests = self._requests
         for eo in outputs:
-            out = self._outputs.get(eo.request_id)
-            if out is None:
+            acc = requests.get(eo.request_id)
+            if acc is None:
                 continue
-            comp = out.outputs[0]
-            comp.token_ids.extend(eo.new_token_ids)
-            comp.delta_token_ids = list(eo.new_token_ids)
-            comp.delta_logprobs = eo.new_logprobs
+            acc.token_ids.extend(eo.new_token_ids)
             if eo.new_logprobs is not None:
-                comp.logprobs = (comp.logprobs or []) + eo.new_logprobs
-            comp.text += eo.new_text
-            comp.delta_text = eo.new_text
-            comp.finish_reason = eo.finish_reason
-            comp.stop_reason = eo.stop_reason
-            out.num_cached_tokens = eo.num_cached_tokens
+                if acc.logprobs is None:
+                    acc.logprobs = []
+                acc.logprobs.extend(eo.new_logprobs)
+            acc.text += eo.new_text
             if eo.kv_transfer_params is not None:
-                out.kv_transfer_params = eo.kv_transfer_params
-            out.finished = eo.finished
-            results.append(out)
+                acc.kv_params = eo.kv_transfer_params
+            comp = CompletionOutput.prefix_of(
+                acc.token_ids,
+                acc.logprobs,
+                not eo.finished,  # a finished request's lists never grow again
+                acc.text,
+                eo.finish_reason,
+                eo.stop_reason,
+                eo.new_text,
+                eo.new_token_ids,
+                eo.new_logprobs,
+            )
+            results.append(
+                RequestOutput(
+                    eo.request_id,
+                    acc.prompt,
+                    acc.prompt_token_ids,
+                    [comp],
+                    eo.finished,
+                    eo.num_cached_tokens,
+                    acc.kv_params,
+                )
+            )
             if eo.finished:
-                del self._outputs[eo.request_id]
+                del requests[eo.request_id]
         return results

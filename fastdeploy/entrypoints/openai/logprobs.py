@@ -3,12 +3,18 @@
 Engine entries are ``{"token_id", "logprob", "top_logprobs": [(id, logprob), ...]}``. Token strings
 and ``bytes`` come from :class:`~fastdeploy.engine.detokenizer.TokenBytes` (never from decoding one
 token alone), so tokens that hold part of a UTF-8 character keep distinct, exact bytes.
+
+Both functions return plain JSON-ready values with the fields, in order, of the protocol models
+(:class:`~fastdeploy.entrypoints.openai.protocol.TokenLogprob`,
+:class:`~fastdeploy.entrypoints.openai.protocol.CompletionLogprobs`): streamed chunks encode them
+as they are, and whole responses validate them into those models.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastdeploy.engine.detokenizer import TOKEN_ID_PREFIX, TextOffsets, TokenBytes
-from fastdeploy.entrypoints.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 def _token(token_bytes: TokenBytes | None, token_id: int) -> tuple[str, list[int] | None]:
@@ -20,27 +26,31 @@ def _token(token_bytes: TokenBytes | None, token_id: int) -> tuple[str, list[int
     return token_bytes.token_str(token_id), (list(raw) if raw is not None else None)
 
 
-def chat_logprobs(token_bytes: TokenBytes | None, entries: list[dict] | None) -> list[TokenLogprob]:
+def chat_logprobs(
+    token_bytes: TokenBytes | None, entries: list[dict] | None
+) -> list[dict[str, Any]]:
     """Chat ``logprobs.content`` from engine entries
     ``{"token_id", "logprob", "top_logprobs": [(id, logprob), ...]}``: every one of the N
     alternatives, each with its exact ``bytes`` (tokens that hold part of a UTF-8 character are
-    written ``bytes:\\xNN...``; two alternatives never share bytes)."""
+    written ``bytes:\\xNN...``; two alternatives never share bytes). Each item is a
+    ``TokenLogprob`` as a dict: ``{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}, ...]}``."""
     result = []
     for entry in entries or []:
         token, raw = _token(token_bytes, entry["token_id"])
         tops = []
         for tid, lp in entry.get("top_logprobs") or []:
             top_token, top_raw = _token(token_bytes, tid)
-            tops.append(TopLogprob(token=top_token, logprob=lp, bytes=top_raw))
+            tops.append({"token": top_token, "logprob": float(lp), "bytes": top_raw})
         result.append(
-            TokenLogprob(token=token, logprob=entry["logprob"], bytes=raw, top_logprobs=tops)
+            {"token": token, "logprob": float(entry["logprob"]), "bytes": raw, "top_logprobs": tops}
         )
     return result
 
 
 def completion_logprobs(
     token_bytes: TokenBytes | None, entries: list[dict] | None, offsets: TextOffsets | None
-) -> CompletionLogprobs:
+) -> dict[str, list]:
     """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
 
     ``top_logprobs`` is a dict keyed by token string, as OpenAI's: the N alternatives plus the
@@ -48,13 +58,17 @@ def completion_logprobs(
     different tokens have different keys; should two still read the same (a tokenizer whose
     tokens share text), the later one is keyed ``token_id:N``. ``text_offset`` counts characters
     of the output text (see :class:`~fastdeploy.engine.detokenizer.TextOffsets`; pass one per
-    response so a stream's chunks continue it; None: all 0).
+    response so a stream's chunks continue it; None: all 0). Returns a ``CompletionLogprobs`` as
+    a dict: ``{"text_offset", "token_logprobs", "tokens", "top_logprobs"}``.
     """
-    out = CompletionLogprobs()
+    offsets_out: list[int] = []
+    token_logprobs: list[float] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float]] = []
     for entry in entries or []:
         token_id = entry["token_id"]
-        out.tokens.append(_token(token_bytes, token_id)[0])
-        out.token_logprobs.append(entry["logprob"])
+        tokens.append(_token(token_bytes, token_id)[0])
+        token_logprobs.append(float(entry["logprob"]))
         tops: dict[str, float] = {}
         owner: dict[str, int] = {}
         pairs = list(entry.get("top_logprobs") or [])
@@ -65,7 +79,12 @@ def completion_logprobs(
             if owner.get(key, tid) != tid:
                 key = f"{TOKEN_ID_PREFIX}{tid}"
             owner[key] = tid
-            tops[key] = lp
-        out.top_logprobs.append(tops)
-        out.text_offset.append(offsets.next(token_id) if offsets is not None else 0)
-    return out
+            tops[key] = float(lp)
+        top_logprobs.append(tops)
+        offsets_out.append(offsets.next(token_id) if offsets is not None else 0)
+    return {
+        "text_offset": offsets_out,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top_logprobs,
+    }

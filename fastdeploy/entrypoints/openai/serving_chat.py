@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,13 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    DeltaMessage,
     dump,
     usage_of,
 )
@@ -28,11 +26,14 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     bad_request,
     check_text,
     collect_final,
-    iterate_closing,
     sampling_params_from,
-    sse,
-    sse_events,
     with_kv_transfer_params,
+)
+from fastdeploy.entrypoints.openai.sse import ChunkTemplate, stream_events, to_json
+
+#: The first streamed chunk's choice: the role, no content yet.
+ROLE_FIELDS = (
+    '"delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null'
 )
 
 
@@ -118,52 +119,31 @@ class OpenAIServingChat(OpenAIServing):
         with_logprobs: bool,
     ) -> AsyncIterator[str]:
         """Server-sent events: a role chunk, one chunk per step with new text, the finish reason,
-        an optional usage chunk, then ``[DONE]``. An engine failure becomes an error event."""
-
-        def chunk(
-            delta: DeltaMessage, finish_reason: str | None = None, logprobs: list | None = None
-        ) -> str:
-            choice = ChatChunkChoice(
-                delta=delta,
-                finish_reason=finish_reason,
-                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-            )
-            return sse(
-                dump(
-                    ChatCompletionChunk(
-                        id=request_id, model=self.served_model_name, choices=[choice]
-                    )
-                )
-            )
-
+        an optional usage chunk, then ``[DONE]``. An engine failure becomes an error event. Each
+        chunk is a ``ChatCompletionChunk`` with one choice, encoded through a
+        :class:`ChunkTemplate`."""
+        template = ChunkTemplate(
+            request_id, "chat.completion.chunk", int(time.time()), self.served_model_name
+        )
         num_tokens = 0
 
-        async def steps() -> AsyncIterator[str]:
+        def render(ro: Any) -> str:
             nonlocal num_tokens
-            yield chunk(DeltaMessage(role="assistant", content=""))
-            async for ro in iterate_closing(stream):
-                comp = ro.outputs[0]
-                num_tokens = len(comp.token_ids)
-                logprobs = (
-                    chat_logprobs(self.token_bytes, comp.delta_logprobs) if with_logprobs else None
-                )
-                if comp.delta_text or ro.finished or logprobs:
-                    yield chunk(
-                        DeltaMessage(content=comp.delta_text),
-                        comp.finish_reason if ro.finished else None,
-                        logprobs,
-                    )
-
-        def usage() -> dict[str, Any] | None:
-            if not include_usage:
-                return None
-            return dump(
-                ChatCompletionChunk(
-                    id=request_id,
-                    model=self.served_model_name,
-                    choices=[],
-                    usage=usage_of(num_prompt_tokens, num_tokens),
-                )
+            comp = ro.outputs[0]
+            num_tokens += len(comp.delta_token_ids)
+            logprobs = None
+            if with_logprobs:
+                logprobs = chat_logprobs(self.token_bytes, comp.delta_logprobs)
+            if not (comp.delta_text or ro.finished or logprobs):
+                return ""
+            reason = comp.finish_reason if ro.finished else None
+            lp = "null" if logprobs is None else f'{{"content": {to_json(logprobs)}}}'
+            return template.choice(
+                f'"delta": {{"content": {to_json(comp.delta_text)}}}, "logprobs": {lp}, '
+                f'"finish_reason": {to_json(reason)}'
             )
 
-        return sse_events(steps(), usage)
+        def closing() -> str:
+            return template.usage(num_prompt_tokens, num_tokens) if include_usage else ""
+
+        return stream_events(stream, render, closing, first=template.choice(ROLE_FIELDS))

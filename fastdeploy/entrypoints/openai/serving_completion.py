@@ -6,6 +6,7 @@ streamed chunk too) carries ``token_ids``, the tokens it adds, since there is no
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,12 +29,10 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     bad_request,
     check_text,
     collect_final,
-    iterate_closing,
     sampling_params_from,
-    sse,
-    sse_events,
     with_kv_transfer_params,
 )
+from fastdeploy.entrypoints.openai.sse import ChunkTemplate, stream_events, to_json
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -120,46 +119,40 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step with new text (or new token ids without a
         tokenizer; the last chunk carries the finish reason), an optional usage chunk, then
-        ``[DONE]``."""
-        num_tokens = 0
+        ``[DONE]``. Each chunk is a ``CompletionResponse`` with one choice, encoded through a
+        :class:`ChunkTemplate`."""
+        template = ChunkTemplate(
+            request_id, "text_completion", int(time.time()), self.served_model_name
+        )
+        with_token_ids = self.tokenizer is None
         with_logprobs = params.logprobs is not None
         offsets = self.text_offsets(params)
+        num_tokens = 0
 
-        async def steps() -> AsyncIterator[str]:
+        def render(ro: Any) -> str:
             nonlocal num_tokens
-            async for ro in iterate_closing(stream):
-                comp = ro.outputs[0]
-                num_tokens = len(comp.token_ids)
-                logprobs = None
-                if with_logprobs:
-                    logprobs = completion_logprobs(self.token_bytes, comp.delta_logprobs, offsets)
-                ids = self._token_ids(comp.delta_token_ids)
-                news = comp.delta_text or ids.get("token_ids") or (logprobs and logprobs.tokens)
-                if news or ro.finished:
-                    choice = CompletionChoice(
-                        text=comp.delta_text,
-                        logprobs=logprobs,
-                        finish_reason=comp.finish_reason if ro.finished else None,
-                        **ids,
-                    )
-                    yield sse(
-                        dump(
-                            CompletionResponse(
-                                id=request_id, model=self.served_model_name, choices=[choice]
-                            )
-                        )
-                    )
-
-        def usage() -> dict[str, Any] | None:
-            if not include_usage:
-                return None
-            return dump(
-                CompletionResponse(
-                    id=request_id,
-                    model=self.served_model_name,
-                    choices=[],
-                    usage=usage_of(num_prompt_tokens, num_tokens),
-                )
+            comp = ro.outputs[0]
+            num_tokens += len(comp.delta_token_ids)
+            logprobs = None
+            if with_logprobs:
+                logprobs = completion_logprobs(self.token_bytes, comp.delta_logprobs, offsets)
+            news = (
+                comp.delta_text
+                or (with_token_ids and comp.delta_token_ids)
+                or (logprobs and logprobs["tokens"])
             )
+            if not (news or ro.finished):
+                return ""
+            reason = comp.finish_reason if ro.finished else None
+            fields = (
+                f'"text": {to_json(comp.delta_text)}, "logprobs": {to_json(logprobs)}, '
+                f'"finish_reason": {to_json(reason)}'
+            )
+            if with_token_ids:
+                fields += f', "token_ids": {to_json(list(comp.delta_token_ids))}'
+            return template.choice(fields)
 
-        return sse_events(steps(), usage)
+        def closing() -> str:
+            return template.usage(num_prompt_tokens, num_tokens) if include_usage else ""
+
+        return stream_events(stream, render, closing)

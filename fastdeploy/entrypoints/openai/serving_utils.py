@@ -1,14 +1,13 @@
-"""Shared pieces of the serving handlers: OpenAI-style errors, sampling parameters, server-sent
-events, and collecting a request's output while watching for a client disconnect (logprobs are
-rendered by :mod:`fastdeploy.entrypoints.openai.logprobs`)."""
+"""Shared pieces of the serving handlers: OpenAI-style errors, sampling parameters, and collecting
+a request's output while watching for a client disconnect (logprobs are rendered by
+:mod:`fastdeploy.entrypoints.openai.logprobs`, streamed events by
+:mod:`fastdeploy.entrypoints.openai.sse`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -292,12 +291,6 @@ def sampling_params_from(
         raise bad_request(str(e), param_of(e)) from None
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent event: ``data: <json>\\n\\n`` (or ``data: [DONE]\\n\\n``)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
 async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any | None:
     """Consume ``stream`` to its last output; abort it and return ``None`` if the client left.
 
@@ -307,14 +300,7 @@ async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any 
     Raises:
         What the stream raises (``ValueError`` from the engine, :class:`EngineDeadError`).
     """
-
-    async def consume() -> Any:
-        last = None
-        async for output in stream:
-            last = output
-        return last
-
-    consumer = asyncio.ensure_future(consume())
+    consumer = asyncio.ensure_future(stream.final())
     try:
         while True:
             done, _ = await asyncio.wait({consumer}, timeout=DISCONNECT_POLL_S)
@@ -324,35 +310,6 @@ async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any 
                 return None
     finally:
         consumer.cancel()
-        stream.close()
-
-
-async def sse_events(
-    steps: AsyncIterator[str], usage_chunk: Callable[[], dict[str, Any] | None]
-) -> AsyncIterator[str]:
-    """How every stream ends, for both endpoints: the per-step events pass through, an engine
-    failure becomes an error event, then the usage chunk (when ``usage_chunk`` returns one) and
-    ``[DONE]``. ``steps`` is closed when the client leaves, which aborts its request."""
-    async with contextlib.aclosing(steps):
-        try:
-            async for event in steps:
-                yield event
-        except Exception as e:  # noqa: BLE001 - report to the client inside the stream
-            yield sse(api_error_from(e).body())
-            yield sse("[DONE]")
-            return
-    body = usage_chunk()
-    if body is not None:
-        yield sse(body)
-    yield sse("[DONE]")
-
-
-async def iterate_closing(stream: RequestStream) -> AsyncIterator[Any]:
-    """Iterate ``stream`` and abort it when the consumer stops early (disconnect, cancel)."""
-    try:
-        async for output in stream:
-            yield output
-    finally:
         stream.close()
 
 
