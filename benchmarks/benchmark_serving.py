@@ -128,7 +128,13 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], 
             args.seed,
         )
         url = args.base_url + "/v1/completions"
-        for prompt, max_tokens in prompts[: args.warmup]:
+        # Warm-up prompts of their own (another seed): re-sending timed prompts would let a
+        # server's prefix cache answer them, and their TTFT would not be a prefill's.
+        warmup = make_prompts(
+            args.warmup, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+            args.seed + 1_000_003,
+        )  # fmt: skip
+        for prompt, max_tokens in warmup:
             await run_one(client, url, model, prompt, max_tokens)
         rng = random.Random(args.seed + 1)
         start = time.perf_counter()
@@ -226,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=16)
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per s")
-    parser.add_argument("--warmup", type=int, default=2, help="requests sent before timing")
+    parser.add_argument(
+        "--warmup", type=int, default=2,
+        help="requests sent before timing, with prompts of their own (never timed prompts)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="also write the summary to this file")

@@ -47,3 +47,23 @@ def test_closed_and_open_loop_runs(tmp_path, capsys):
              "--range-ratio", "0.5", "--request-rate", "50", "--vocab-size", "256"]
         )  # fmt: skip
         assert summary["completed"] == 6 and summary["failed"] == 0
+
+
+def test_warmup_prompts_are_never_timed_prompts():
+    """A timed prompt sent during warm-up would be a prefix-cache hit, its TTFT no prefill's."""
+    bench = load_benchmark()
+    sent = []
+    real = bench.run_one
+
+    async def recording(client, url, model, prompt, max_tokens):
+        sent.append(tuple(prompt))
+        return await real(client, url, model, prompt, max_tokens)
+
+    bench.run_one = recording
+    with serve_in_thread(FakeEngine(step_delay_s=0.001)) as (url, _):
+        summary = bench.main(
+            ["--base-url", url, "--num-prompts", "3", "--input-len", "12", "--output-len", "2",
+             "--concurrency", "1", "--vocab-size", "256", "--warmup", "2"]
+        )  # fmt: skip
+    assert summary["completed"] == 3 and len(sent) == 5
+    assert not set(sent[:2]) & set(sent[2:])
