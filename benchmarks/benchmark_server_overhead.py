@@ -72,8 +72,11 @@ class SyntheticEngine:
     runs), then emits one token per running request, stop-checked and detokenized by the real
     :class:`StopChecker` as the engine does. Tokens cycle through a tokenized English text."""
 
-    def __init__(self, tokenizer: Any, step_s: float, max_model_len: int = 4096) -> None:
+    def __init__(
+        self, tokenizer: Any, step_s: float, max_model_len: int = 4096, host_s: float = 0.0
+    ) -> None:
         self.tokenizer = tokenizer
+        self.host_s = host_s
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
         self.step_s = step_s
@@ -102,6 +105,10 @@ class SyntheticEngine:
         return bool(self.requests)
 
     def step(self) -> list[EngineOutput]:
+        if self.host_s > 0:  # the engine's own Python work (schedule, prepare): holds the GIL
+            end = time.perf_counter() + self.host_s
+            while time.perf_counter() < end:
+                pass
         if self.step_s > 0:
             time.sleep(self.step_s)
         self.steps += 1
@@ -160,7 +167,7 @@ def offline_rate(tokenizer: Any, args: argparse.Namespace) -> float:
     """Output tok/s of the synthetic engine stepped alone with ``concurrency`` requests."""
     from fastdeploy.core.sampling_params import SamplingParams
 
-    engine = SyntheticEngine(tokenizer, args.step_ms / 1000)
+    engine = SyntheticEngine(tokenizer, args.step_ms / 1000, host_s=args.host_ms / 1000)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompts = prompts_for(args, engine.vocab_size)[: args.concurrency]
     for i, p in enumerate(prompts):
@@ -218,7 +225,7 @@ def run_http(tokenizer: Any, args: argparse.Namespace) -> dict:
     from fastdeploy.engine.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.app import build_app
 
-    engine = SyntheticEngine(tokenizer, args.step_ms / 1000)
+    engine = SyntheticEngine(tokenizer, args.step_ms / 1000, host_s=args.host_ms / 1000)
     async_engine = AsyncLLMEngine(engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -293,7 +300,7 @@ def run_direct(tokenizer: Any, args: argparse.Namespace) -> dict:
     from fastdeploy.engine.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
-    engine = SyntheticEngine(tokenizer, args.step_ms / 1000)
+    engine = SyntheticEngine(tokenizer, args.step_ms / 1000, host_s=args.host_ms / 1000)
     prompts = prompts_for(args, engine.vocab_size)
 
     async def main() -> dict:
@@ -359,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--step-ms", type=float, default=1.0, help="GIL-free sleep per step")
+    parser.add_argument(
+        "--host-ms", type=float, default=0.0,
+        help="GIL-held busy work per step before the sleep (the engine's scheduling and input "
+        "preparation, which competes with the asyncio thread for the GIL)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="sys.setswitchinterval for the server process (seconds; Python's default 0.005)",
+    )  # fmt: skip
     parser.add_argument("--no-http", action="store_true", help="drive the handlers in-process")
     parser.add_argument("--profile", default=None, help="write a cProfile of the asyncio thread")
     parser.add_argument("--seed", type=int, default=0)
@@ -369,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns ``{"offline_tok_s", **served numbers}``."""
     args = build_parser().parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     tokenizer = load_tokenizer(args.tokenizer)
     offline = offline_rate(tokenizer, args)
     served = run_direct(tokenizer, args) if args.no_http else run_http(tokenizer, args)
