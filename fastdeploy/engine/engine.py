@@ -68,38 +68,6 @@ def check_device_available(device: str) -> None:
     raise ValueError(f"device='cuda' is invalid on this machine: {why}; allowed: cpu or auto")
 
 
-def check_first_token_logprobs(entries, token_id: int) -> None:
-    """A decode leg's ``first_token_logprobs``: None, or one ``{"token_id", "logprob",
-    "top_logprobs": [[id, logprob], ...]}`` entry for ``token_id``.
-
-    Raises:
-        ValueError: any other shape, naming the field.
-    """
-    if entries is None:
-        return
-    ok = isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], dict)
-    if ok:
-        e = entries[0]
-        top = e.get("top_logprobs")
-        ok = (
-            e.get("token_id") == token_id
-            and isinstance(e.get("logprob"), (int, float))
-            and isinstance(top, list)
-            and all(
-                isinstance(t, (list, tuple))
-                and len(t) == 2
-                and isinstance(t[0], int)
-                and isinstance(t[1], (int, float))
-                for t in top
-            )
-        )
-    if not ok:
-        raise ValueError(
-            "kv_transfer_params.first_token_logprobs is invalid; allowed: null or the prefill "
-            "node's one entry for first_token_id"
-        )
-
-
 class LLMEngine(PDStepMixin, OverlapStepMixin):
     """Loads the model and drives steps. Not thread-safe: one thread calls it.
 
@@ -268,29 +236,15 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             check_sampling(sampling_params, self.vocab_size, self.tokenizer is not None)
         if kv_transfer_params is None:
             return None
-        from fastdeploy.splitwise.roles import check_kv_transfer_params
+        from fastdeploy.splitwise.roles import check_decode_leg, check_kv_transfer_params
 
         leg = check_kv_transfer_params(
             self.config.parallel_config.splitwise_role, kv_transfer_params, self.kv_layout
         )
         if leg not in (None, True):
-            n = len(prompt_token_ids)
-            if leg.num_prompt_tokens != n:
-                raise ValueError(
-                    f"kv_transfer_params.num_prompt_tokens={leg.num_prompt_tokens} is invalid; "
-                    f"allowed: this request's {n} prompt tokens (same prompt on both legs)"
-                )
-            if not 0 <= leg.first_token_id < self.vocab_size:
-                raise ValueError(
-                    f"kv_transfer_params.first_token_id={leg.first_token_id} is invalid; "
-                    f"allowed: a token id in [0, {self.vocab_size})"
-                )
-            check_first_token_logprobs(leg.first_token_logprobs, leg.first_token_id)
-            if len(leg.remote_block_ids) != -(-n // self.config.cache_config.block_size):
-                raise ValueError(
-                    f"kv_transfer_params.remote_block_ids has {len(leg.remote_block_ids)} "
-                    f"blocks; allowed: the {n} prompt tokens' blocks"
-                )
+            check_decode_leg(
+                leg, len(prompt_token_ids), self.vocab_size, self.config.cache_config.block_size
+            )
         return leg
 
     def add_request(

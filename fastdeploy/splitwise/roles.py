@@ -31,6 +31,65 @@ from fastdeploy.splitwise.transport import make_transport
 logger = logging.getLogger(__name__)
 
 
+def check_first_token_logprobs(entries, token_id: int) -> None:
+    """A decode leg's ``first_token_logprobs``: None, or one ``{"token_id", "logprob",
+    "top_logprobs": [[id, logprob], ...]}`` entry for ``token_id``.
+
+    Raises:
+        ValueError: any other shape, naming the field.
+    """
+    if entries is None:
+        return
+    ok = isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], dict)
+    if ok:
+        e = entries[0]
+        top = e.get("top_logprobs")
+        ok = (
+            e.get("token_id") == token_id
+            and isinstance(e.get("logprob"), (int, float))
+            and isinstance(top, list)
+            and all(
+                isinstance(t, (list, tuple))
+                and len(t) == 2
+                and isinstance(t[0], int)
+                and isinstance(t[1], (int, float))
+                for t in top
+            )
+        )
+    if not ok:
+        raise ValueError(
+            "kv_transfer_params.first_token_logprobs is invalid; allowed: null or the prefill "
+            "node's one entry for first_token_id"
+        )
+
+
+def check_decode_leg(leg: Any, num_prompt_tokens: int, vocab_size: int, block_size: int) -> None:
+    """A decode leg's :class:`RemotePrefill` against the request it arrived with: the same
+    prompt length, a first token inside the vocabulary with well-formed logprobs, and one remote
+    block per ``block_size`` prompt tokens.
+
+    Raises:
+        ValueError: the first field that does not fit, named with what is allowed.
+    """
+    n = num_prompt_tokens
+    if leg.num_prompt_tokens != n:
+        raise ValueError(
+            f"kv_transfer_params.num_prompt_tokens={leg.num_prompt_tokens} is invalid; "
+            f"allowed: this request's {n} prompt tokens (same prompt on both legs)"
+        )
+    if not 0 <= leg.first_token_id < vocab_size:
+        raise ValueError(
+            f"kv_transfer_params.first_token_id={leg.first_token_id} is invalid; "
+            f"allowed: a token id in [0, {vocab_size})"
+        )
+    check_first_token_logprobs(leg.first_token_logprobs, leg.first_token_id)
+    if len(leg.remote_block_ids) != -(-n // block_size):
+        raise ValueError(
+            f"kv_transfer_params.remote_block_ids has {len(leg.remote_block_ids)} "
+            f"blocks; allowed: the {n} prompt tokens' blocks"
+        )
+
+
 def check_kv_transfer_params(role: str, params: Any, layout: dict[str, Any]) -> Any:
     """Admission check of a request's ``kv_transfer_params`` on a node of ``role``.
 
