@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from tiny_models import tiny_llama
 from torch.autograd import DeviceType
 
 from fastdeploy.engine.args_utils import EngineArgs
@@ -16,13 +17,7 @@ from fastdeploy.engine.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama()
 
 
 def load_benchmark():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_llama
 
 from fastdeploy.core.request import RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
@@ -23,13 +24,7 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.worker.host_kv_pool import CopyJob
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama(num_hidden_layers=3, tie_word_embeddings=False)
 # Untied: with tied random embeddings the greedy token is the input token whatever the context,
 # and a corrupted KV block would go unnoticed.
 #: 13 usable blocks of 16 tokens (208 tokens): two of the prompts below do not fit together.

@@ -10,18 +10,13 @@ import json
 import httpx
 import pytest
 from http_server_utils import get_json, metric_samples, serve_in_thread, wait_until
+from tiny_models import tiny_llama
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 
 MODEL = "tiny-host-tier"
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama(tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ so the fused output is at least as close to float32). Then a whole SmolLM2-shape
 logits with fused ops on and off agree within the graph tolerance, and the fused decode step
 launches at most a third of the unfused step's kernels.
 
-One pytest call on a CUDA host with flashinfer: ``python -m pytest -q -s tests/gpu/test_fused_ops_gpu.py``.
+One pytest call on a CUDA host with flashinfer:
+``python -m pytest -q -s tests/gpu/test_fused_ops_gpu.py``.
 """
 
 from __future__ import annotations
@@ -176,5 +177,3 @@ def test_model_fused_vs_unfused(tmp_path_factory, monkeypatch):
         assert agree >= 0.9, (what, agree)
     print(f"decode step kernels at batch 1: fused {fused_kernels}, torch ops {native_kernels}")
     assert fused_kernels * 3 <= native_kernels, (fused_kernels, native_kernels)
-
-

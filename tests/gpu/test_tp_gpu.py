@@ -5,8 +5,8 @@ and on, and the two TP=2 engines agree with each other: a sequence may part from
 at a bf16 near-tie (at the first differing step, both engines' top-5 logprobs hold both tokens
 within ``NEAR_TIE`` or twice the two engines' logprob difference where their tokens still agree,
 whichever is larger: at the 8B shape, whose logits are larger than the 135M model's, one such
-parting had a gap of 0.156). Every engine replays piecewise graphs (prefill) and full graphs (decode);
-the fused engine took the fused path at every traced call. The KV cache is sized from
+parting had a gap of 0.156). Every engine replays piecewise graphs (prefill) and full graphs
+(decode); the fused engine took the fused path at every traced call. The KV cache is sized from
 ``gpu_memory_utilization`` with NCCL's buffers and the fusion workspace in place.
 
 One pytest call on a fresh 2x H200 host, about 8 minutes, most of it flashinfer's JIT (attention

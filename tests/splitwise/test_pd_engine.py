@@ -10,19 +10,14 @@ import time
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from fastdeploy.core.errors import KVTransferError
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama(num_hidden_layers=3)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -13,18 +13,13 @@ import json
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama()
 
 PLAN = GraphPlan(
     decode_graphs=True,
