@@ -3,12 +3,11 @@ transformers eager each make every token, and the table and the JSON carry real 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from support import load_benchmark_module
 from tiny_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,14 +16,7 @@ TINY = tiny_llama()
 
 
 def load_benchmark():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports benchmark_throughput's helpers
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_peers", ROOT / "benchmarks" / "benchmark_peers.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_peers"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("benchmark_peers")
 
 
 def test_peers_smoke_on_cpu(tmp_path, capsys):

@@ -4,11 +4,10 @@ the runner's graphs as it found them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from support import load_benchmark_module
 from tiny_models import tiny_llama
 from torch.autograd import DeviceType
 
@@ -21,13 +20,7 @@ TINY = tiny_llama()
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_prefill", ROOT / "benchmarks" / "benchmark_prefill.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_prefill"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("benchmark_prefill")
 
 
 class Event:

@@ -4,24 +4,17 @@ consistent numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from support import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_server_overhead", ROOT / "benchmarks" / "benchmark_server_overhead.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_server_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("benchmark_server_overhead")
 
 
 @pytest.mark.parametrize("mode", [["--no-http"], []], ids=["no-http", "http"])

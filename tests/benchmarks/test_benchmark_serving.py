@@ -3,10 +3,11 @@ completes with the asked lengths, and the summary's numbers are consistent."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from support import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "entrypoints"))
@@ -16,13 +17,7 @@ from http_server_utils import serve_in_thread  # noqa: E402
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_serving", ROOT / "benchmarks" / "benchmark_serving.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_serving"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("benchmark_serving")
 
 
 def test_closed_and_open_loop_runs(tmp_path, capsys):

@@ -3,23 +3,16 @@ the fused column is skipped with the plan's reason, and the table prints."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import transformers
+from support import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parents[1].parent
 
 
 def load_benchmark():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_tp", ROOT / "benchmarks" / "benchmark_tp.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("benchmark_tp")
 
 
 def test_tp1_and_tp2_over_gloo(tmp_path, capsys):

@@ -5,6 +5,7 @@ seeded request through a forced preemption. Greedy outputs are those measured on
 from __future__ import annotations
 
 import pytest
+from support import record_preemptions
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.detokenizer import TokenBytes
@@ -82,15 +83,7 @@ def test_a_seeded_request_through_a_forced_preemption_equals_a_roomy_pool(llm):
     roomy = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
     small = LLM(num_gpu_blocks_override=20, skip_tokenizer_init=True, **ENGINE)
     try:
-        preempted = []
-        original = small.engine.scheduler.schedule
-
-        def spy():
-            out = original()
-            preempted.extend(r.request_id for r in out.preempted)
-            return out
-
-        small.engine.scheduler.schedule = spy
+        preempted = record_preemptions(small.engine)
         got = [o.outputs[0].token_ids for o in small.generate(ids, params, use_tqdm=False)]
     finally:
         small.engine.shutdown()

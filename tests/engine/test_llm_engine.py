@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from support import record_preemptions
 from tiny_models import tiny_llama
 
 from fastdeploy import LLM, SamplingParams
@@ -87,15 +88,7 @@ def test_chunked_prefill_equals_unchunked(llm, tiny_dir):
 def test_preemption_by_recompute_gives_same_tokens(llm, tiny_dir):
     ps = prompts(n=6, lo=40, hi=60, seed=2)
     small = tiny_llm(tiny_dir, num_gpu_blocks_override=12)  # 11 usable blocks of 16 tokens
-    preempted = []
-    original = small.engine.scheduler.schedule
-
-    def spy():
-        out = original()
-        preempted.extend(r.request_id for r in out.preempted)
-        return out
-
-    small.engine.scheduler.schedule = spy
+    preempted = record_preemptions(small.engine)
     assert tokens(small, ps) == tokens(llm, ps)
     assert preempted, "the pool was large enough: no preemption happened"
     stats = small.engine.get_stats()

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from support import record_preemptions
 from tiny_models import tiny_llama
 
 from fastdeploy import LLM, SamplingParams
@@ -215,15 +216,7 @@ def test_seeded_sampling_through_preemption_with_overlap_equals_a_roomy_serial_p
     roomy, _ = run(off, ps, params)
     small = tiny_llm(tiny_dir, num_gpu_blocks_override=14)  # 13 usable blocks of 16 tokens
     assert small.engine.overlap_schedule
-    preempted = []
-    original = small.engine.scheduler.schedule
-
-    def spy():
-        out = original()
-        preempted.extend(r.request_id for r in out.preempted)
-        return out
-
-    small.engine.scheduler.schedule = spy
+    preempted = record_preemptions(small.engine)
     got, fed = run(small, ps, params)
     assert preempted, "the pool was large enough: no preemption happened"
     assert fed > 0 and got == roomy

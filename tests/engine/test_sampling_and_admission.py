@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+from support import record_preemptions
 from test_llm_engine import TINY, prompts, tiny_llm, tokens
 
 from fastdeploy import SamplingParams
@@ -105,15 +106,7 @@ def test_seeded_sampling_with_penalties_through_preemption_equals_a_roomy_pool(l
     ]
     roomy = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     small = tiny_llm(tiny_dir, num_gpu_blocks_override=14)  # 13 usable blocks of 16 tokens
-    preempted = []
-    original = small.engine.scheduler.schedule
-
-    def spy():
-        out = original()
-        preempted.extend(r.request_id for r in out.preempted)
-        return out
-
-    small.engine.scheduler.schedule = spy
+    preempted = record_preemptions(small.engine)
     got = [o.outputs[0].token_ids for o in small.generate(ps, params, use_tqdm=False)]
     assert preempted, "the pool was large enough: no preemption happened"
     assert got == roomy

@@ -1,0 +1,39 @@
+"""Small helpers several CPU test modules share: loading a benchmark script as a module, and
+recording which requests an engine's scheduler preempts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as module ``name`` (registered in ``sys.modules``, so
+    its dataclasses resolve their annotations; ``benchmarks/`` goes on ``sys.path`` for the
+    scripts that import each other)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def record_preemptions(engine) -> list[str]:
+    """Wrap ``engine.scheduler.schedule`` so that every preempted request id is appended to the
+    returned list (a test's proof that its small KV pool really forced preemption)."""
+    preempted: list[str] = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        out = original()
+        preempted.extend(r.request_id for r in out.preempted)
+        return out
+
+    engine.scheduler.schedule = schedule
+    return preempted
