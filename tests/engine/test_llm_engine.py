@@ -190,9 +190,10 @@ def test_bad_model_and_engine_args(tmp_path):
         LLM(str(tmp_path), max_num_seq=4)
 
 
-def piecewise_setup(llm):
+def piecewise_setup(llm, merged_qkv: bool = True):
     """A 40-token step of 3 requests padded to a 48-token bucket: (meta, the model's own hidden
-    states for the real rows, the bucket's segments, their buffers)."""
+    states for the real rows, the bucket's segments, their buffers; ``merged_qkv`` as the graph
+    runner sets it: True at graph_opt_level 0, False under torch.compile)."""
     runner = llm.engine.worker.runner
     backend = runner.attn_backend
     sched = dummy_step([20, 7, 13], 16)
@@ -206,6 +207,7 @@ def piecewise_setup(llm):
         backend.num_kv_heads * backend.head_dim,
         backend.dtype,
         backend.device,
+        merged_qkv=merged_qkv,
     )
     segments = make_segments(runner.model, bufs, inputs.input_ids, inputs.positions)
     return meta, expected, segments, bufs
@@ -224,6 +226,45 @@ def test_piecewise_segments_compose_to_the_model_forward(llm):
         got = run_segments(llm, segments, bufs, meta)
     assert len(segments) == TINY["num_hidden_layers"] + 1
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_segments_write_q_k_v_in_place_through_the_merged_buffer(llm):
+    """At graph_opt_level 0 the merged QKV projection writes straight into the segments' qkv
+    buffer: q, k and v are its column views, v is never copied, and the buffers hold what
+    the model's own projection, RoPE included, computes for the last layer."""
+    runner = llm.engine.worker.runner
+    with torch.inference_mode():
+        meta, _, segments, bufs = piecewise_setup(llm)
+        assert bufs.q.data_ptr() == bufs.qkv.data_ptr()
+        assert bufs.k.stride() == bufs.qkv.stride()
+        layers = runner.model.layers
+        graph = PiecewiseGraph(48, segments, bufs, [la.attn for la in layers])
+        copied_to = []
+        copy = torch.Tensor.copy_
+
+        def spy(dst, src, *args, **kwargs):
+            copied_to.append(dst.data_ptr())
+            return copy(dst, src, *args, **kwargs)
+
+        torch.Tensor.copy_ = spy
+        try:
+            graph.run_eager(meta)
+        finally:
+            torch.Tensor.copy_ = copy
+        # v is never copied; q and k are here only because the CPU's reference RoPE returns
+        # new tensors (flashinfer's, on CUDA, rotates them in place: no copy at all).
+        assert copied_to and bufs.v.data_ptr() not in copied_to
+        # Recompute the last layer's pre-attention on its own from the residual stream.
+        h = runner.model.embed(runner.buffers.input_ids[:48])
+        res = None
+        for i, layer in enumerate(layers):
+            q, k, v, res = layer.pre_attention(runner.buffers.positions[:48], h, res)
+            if i == len(layers) - 1:
+                break
+            attn = runner.attn_backend.forward(q, k, v, runner.kv_caches[i], meta.attn_metadata)
+            h, res = layer.post_attention(attn, res)
+    for got, want in ((bufs.q, q), (bufs.k, k), (bufs.v, v)):
+        torch.testing.assert_close(got[:40], want[:40], rtol=0, atol=1e-6)
 
 
 def test_segments_that_write_the_kv_cache_compose_to_the_model_forward(llm):
@@ -265,7 +306,7 @@ def test_compiled_segments_match_eager_and_all_compile(llm):
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode():
-        meta, expected, segments, bufs = piecewise_setup(llm)
+        meta, expected, segments, bufs = piecewise_setup(llm, merged_qkv=False)
         before = counters["stats"]["unique_graphs"]
         got = run_segments(llm, compile_segments(segments, graph_opt_level=1), bufs, meta)
         assert counters["stats"]["unique_graphs"] - before == len(segments)

@@ -108,6 +108,7 @@ class CudaGraphRunner:
                 backend.num_kv_heads * backend.head_dim,
                 backend.dtype,
                 backend.device,
+                merged_qkv=self.graph_opt_level == 0,
             )
         return self._bufs
 

@@ -49,9 +49,14 @@ class SegmentBuffers:
     """Static tensors that segments read and write, sized for ``max_tokens`` rows.
 
     Attributes (rows ``[:n]`` are used by a bucket of ``n`` tokens):
-        q ``[max_tokens, num_heads*head_dim]``, k/v ``[max_tokens, num_kv_heads*head_dim]``,
-        residual/hidden ``[max_tokens, hidden_size]``, attn ``[max_tokens, num_heads*head_dim]``
-        (the attention output the next segment reads), all of the model dtype.
+        qkv ``[max_tokens, q_size + 2 * kv_size]``: the merged QKV projection writes here
+        (``pre_attention(qkv_out=...)``), so no copy follows it; q ``[max_tokens, q_size]``
+        and k/v ``[max_tokens, kv_size]`` are its column views (row stride ``q_size + 2 *
+        kv_size``), as a split of the projection's output would be. With ``merged_qkv=False``
+        (the ``torch.compile`` levels: Inductor rejects segment inputs that are views of one
+        another's storage) ``qkv`` is None and q/k/v are separate buffers the segments copy to;
+        residual/hidden ``[max_tokens, hidden_size]``, attn ``[max_tokens, q_size]`` (the
+        attention output the next segment reads), all of the model dtype.
     """
 
     def __init__(
@@ -62,11 +67,17 @@ class SegmentBuffers:
         kv_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        merged_qkv: bool = True,
     ) -> None:
         def buf(width: int) -> torch.Tensor:
             return torch.zeros(max_tokens, width, dtype=dtype, device=device)
 
-        self.q, self.k, self.v = buf(q_size), buf(kv_size), buf(kv_size)
+        if merged_qkv:
+            self.qkv: torch.Tensor | None = buf(q_size + 2 * kv_size)
+            self.q, self.k, self.v = self.qkv.split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            self.qkv = None
+            self.q, self.k, self.v = buf(q_size), buf(kv_size), buf(kv_size)
         self.residual, self.hidden, self.attn = buf(hidden_size), buf(hidden_size), buf(q_size)
 
 
@@ -82,11 +93,16 @@ class PiecewiseLayer(Protocol):
     attn: PiecewiseAttention
 
     def pre_attention(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        qkv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """int64 ``positions [T]``, ``hidden_states [T, hidden]``, ``residual [T, hidden]``
         (None entering the first layer) -> ``q [T, H*D]``, ``k, v [T, KV*D]``,
-        ``residual [T, hidden]``."""
+        ``residual [T, hidden]``. ``qkv_out [T, (H + 2*KV)*D]``: where the merged projection
+        writes (the segments' buffer); what is returned may be views of it."""
         ...
 
     def post_attention(
@@ -136,26 +152,30 @@ def make_segments(
     ``write_kv=False``.
     """
     n = input_ids.shape[0]
+    qkv = None if bufs.qkv is None else bufs.qkv[:n]
     q, k, v = bufs.q[:n], bufs.k[:n], bufs.v[:n]
     residual, hidden, attn = bufs.residual[:n], bufs.hidden[:n], bufs.attn[:n]
     layers = model.layers
 
     def store(i: int, out: tuple[torch.Tensor, ...]) -> None:
-        q_, k_, v_, res_ = out
+        # q/k/v written by the projection into ``qkv`` are in place already (the RoPE kernel
+        # rotates them there): only tensors made elsewhere (a q/k norm's output) are copied.
+        # Under torch.compile (levels 1, 2) every one is copied: dynamo cannot trace
+        # data_ptr(), and Inductor plans the copies itself.
         if write_kv is not None:
-            write_kv(i, k_, v_)
-        q.copy_(q_)
-        k.copy_(k_)
-        v.copy_(v_)
-        residual.copy_(res_)
+            write_kv(i, out[1], out[2])
+        compiling = torch.compiler.is_compiling()
+        for dst, src in zip((q, k, v, residual), out):
+            if compiling or src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
 
     def first() -> None:
-        store(0, layers[0].pre_attention(positions, model.embed(input_ids), None))
+        store(0, layers[0].pre_attention(positions, model.embed(input_ids), None, qkv))
 
     def middle(i: int) -> Callable[[], None]:
         def seg() -> None:
             h, res = layers[i - 1].post_attention(attn, residual)
-            store(i, layers[i].pre_attention(positions, h, res))
+            store(i, layers[i].pre_attention(positions, h, res, qkv))
 
         return seg
 
@@ -234,10 +254,14 @@ class PiecewiseGraph:
         """Replay the segments with eager attention between them; returns ``[num_tokens, H]``
         (a view of the shared hidden buffer: consume it before the next step)."""
         graphs = self.graphs
+        attend = forward_meta.attn_backend.segment_attention(
+            self.q, self.k, self.v, self.attn, forward_meta.attn_metadata, self.write_kv
+        )
+        caches = forward_meta.kv_caches
         graphs[0].replay()
-        for i in range(len(graphs) - 1):
-            self._attention(i, forward_meta)
-            graphs[i + 1].replay()
+        for layer_id, graph in zip(self.layer_ids, graphs[1:]):
+            attend(caches[layer_id])
+            graph.replay()
         return self.hidden
 
     def _attention(self, i: int, forward_meta) -> None:

@@ -51,8 +51,19 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, input_size]`` (any leading dims without ``out``) -> ``[T, output_size]``.
+
+        Args:
+            out: optional ``[T, output_size]`` tensor of the weight's dtype and device to write
+                the result into (a persistent buffer, e.g. the piecewise segments' QKV buffer,
+                so that no copy follows the matmul); ``x`` must then be 2-D.
+        """
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def _param(self, param_name: str) -> torch.Tensor:
         param = getattr(self, param_name, None)

@@ -194,12 +194,19 @@ class DecoderLayer(nn.Module):
         return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape)
 
     def pre_attention(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        qkv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm (with the residual add), q/k/v projection, q/k norm, RoPE.
 
         Args:
             positions: int64 ``[T]``.
+            qkv_out: optional ``[T, (H + 2 * KV) * head_dim]`` buffer the merged projection
+                writes into; ``q``, ``k`` and ``v`` are then views of it (``q`` and ``k`` new
+                tensors where a q/k norm applies).
 
         Returns:
             ``q [T, H * head_dim]``, ``k`` and ``v [T, KV * head_dim]``, ``residual [T, hidden]``.
@@ -209,7 +216,7 @@ class DecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self._add_norm(self.input_layernorm, hidden_states, residual)
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states, out=qkv_out))
         if self.q_norm is not None:
             q = self._head_norm(self.q_norm, q)
             k = self._head_norm(self.k_norm, k)
