@@ -180,6 +180,7 @@ class GpuWorker:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.runner.kv_caches.clear()
+        self.runner.attn_backend.bind_kv_caches([])
         torch.cuda.empty_cache()
         profile_kv = blocks * self.bytes_per_block
         activations = peak - weights - profile_kv
@@ -242,6 +243,7 @@ class GpuWorker:
         self.runner.kv_caches[:] = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
+        self.runner.attn_backend.bind_kv_caches(self.runner.kv_caches)
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens (block 0 is the reserved null block), %.2f GiB",
@@ -340,4 +342,5 @@ class GpuWorker:
             if self.runner.graph_runner is not None:
                 self.runner.graph_runner.release()
             self.runner.kv_caches.clear()
+            self.runner.attn_backend.bind_kv_caches([])
             self.runner = None

@@ -9,6 +9,7 @@ graphs split, so it must not depend on anything but the step's metadata and its 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,12 @@ class AttentionBackend(ABC):
         (flashinfer's NHD paged layout; index 0 of dim 1 is K, 1 is V)."""
         return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Called with the worker's per-layer caches once they are allocated, and with ``[]``
+        when they are freed: a backend may keep views of them (never past that second call).
+        The default keeps nothing."""
+        return None
+
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the step's batch into backend metadata, once per step."""
@@ -111,6 +118,28 @@ class AttentionBackend(ABC):
         from custom_ops.kv_cache_ops import write_kv_cache
 
         write_kv_cache(k, v, kv_cache, slot_mapping)
+
+    def segment_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        metadata: Any,
+        write_kv: bool,
+    ) -> Callable[[torch.Tensor], None]:
+        """One step's attention between piecewise segments, as a function of a layer's cache
+        that writes into ``out``: the same buffers serve every layer, so what does not depend on
+        the layer (views, checks, zeroing padding rows) can be done here once per step instead
+        of once per layer. Arguments as :meth:`forward`; ``out`` is required. The default calls
+        :meth:`forward` per layer."""
+
+        def attend(kv_cache: torch.Tensor) -> None:
+            result = self.forward(q, k, v, kv_cache, metadata, out=out, write_kv=write_kv)
+            if result.data_ptr() != out.data_ptr():
+                out.copy_(result)
+
+        return attend
 
     @abstractmethod
     def forward(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +230,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_kv_indices = torch.zeros(max_num_blocks, dtype=torch.int32, device=dev)
         self._graph_kv_last_page_len = torch.ones(max_num_reqs, dtype=torch.int32, device=dev)
         self._plan_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _plan
+        self._kv_views: dict[int, tuple] = {}  # see bind_kv_caches
 
     # ------------------------------------------------------------------ planning
     def build_metadata(self, batch: AttentionBatch) -> FlashInferMetadata:
@@ -384,7 +386,58 @@ class FlashInferAttentionBackend(AttentionBackend):
         rows = torch.from_numpy(page_rows).to(table.device, non_blocking=True)
         return table.index_select(0, rows).to(torch.int32)
 
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Keep ``(k_cache, v_cache)`` views of each layer's cache, made once: flashinfer
+        unbinds a single cache tensor on every ``run``, a few microseconds of host time per
+        layer on the eager path between piecewise segments. ``[]`` drops them (the views hold
+        the caches' memory)."""
+        self._kv_views = {id(c): (c, tuple(c.unbind(1))) for c in kv_caches}
+
+    def _kv_pair(self, kv_cache: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The bound views of ``kv_cache``, or the tensor itself (flashinfer unbinds it) for a
+        cache that was not bound."""
+        entry = self._kv_views.get(id(kv_cache))
+        return entry[1] if entry is not None and entry[0] is kv_cache else kv_cache
+
     # ------------------------------------------------------------------ forward
+    def segment_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        metadata: FlashInferMetadata,
+        write_kv: bool,
+    ) -> Callable[[torch.Tensor], None]:
+        """:meth:`forward` for every layer of one piecewise step, with the per-step work
+        (head views, row checks, zeroing the padding rows of ``out``, which ``run`` never
+        writes) done once: per layer it is one flashinfer ``run`` on the bound cache views
+        (:meth:`bind_kv_caches`), after the K/V write when ``write_kv``.
+
+        Raises:
+            ValueError: the metadata was planned for more tokens than ``q`` has rows.
+        """
+        md = metadata
+        rows, n = q.shape[0], md.num_tokens
+        if n > rows:
+            raise ValueError(f"metadata planned for {n} tokens, q has {rows} rows")
+        if n < rows:
+            out[n:].zero_()
+        q3 = q.view(rows, self.num_heads, self.head_dim)[:n]
+        o3 = out.view(rows, self.num_heads, self.head_dim)[:n]
+        run, views, slots = md.wrapper.run if n else None, self._kv_views, md.slot_mapping
+
+        def attend(kv_cache: torch.Tensor) -> None:
+            if write_kv:
+                write_kv_cache(k, v, kv_cache, slots)
+            if run is not None:
+                entry = views.get(id(kv_cache))
+                run(
+                    q3, entry[1] if entry is not None and entry[0] is kv_cache else kv_cache, out=o3
+                )
+
+        return attend
+
     def forward(
         self,
         q: torch.Tensor,
@@ -423,7 +476,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             o3 = out.view(num_rows, self.num_heads, self.head_dim)
             if n < num_rows:
                 q3, o3 = q3[:n], o3[:n]
-            md.wrapper.run(q3, kv_cache, out=o3)
+            md.wrapper.run(q3, self._kv_pair(kv_cache), out=o3)
         if n < num_rows:
             out[n:].zero_()
         return out
