@@ -9,7 +9,9 @@ written together, through pinned memory and device scatters. Each step only copi
 slot indices and the ``min_tokens`` flags to the device, through persistent pinned buffers
 (:class:`~fastdeploy.worker.host_staging.StagingSets`), and gathers rows (fixed addresses and
 shapes, no loop over the vocabulary), so the logits processing can later run inside a decode
-CUDA graph. Nothing here waits for the device.
+CUDA graph; a step whose rows are the previous step's slots (a steady decode batch) copies only
+flags that changed and reuses the gathered temperature, top-p and top-k. Nothing here waits for
+the device.
 
 Slots: ``max_num_seqs``. A request holds one from its first sampled token while it runs or waits
 preempted; the scheduler admits no new request while a preempted one waits (preempted requests
@@ -23,11 +25,13 @@ not pay for them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fastdeploy.core.request import Request
-from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from fastdeploy.model_executor.layers.logits_processor import LogitsProcessingMetadata
 from fastdeploy.model_executor.layers.sampler import SamplingMetadata
 from fastdeploy.worker.host_staging import StagingSets, to_device_async
@@ -41,6 +45,30 @@ _PARAM_ATTRS = (
     "frequency_penalty",
     "presence_penalty",
 )
+
+
+@dataclass
+class _Rows:
+    """A step's row -> slot indices and what they determine, reused by the next step when its
+    rows are the same slots (no slot taken or given back in between).
+
+    Attributes:
+        rows: the slot of each row; their device copy is ``SamplingBuffers._rows[:len(rows)]``.
+        temperature / top_p / top_k: the slots' parameters gathered in row order, ``[N]``.
+        generators: the slots' seeded generators (None: the engine's).
+        all_greedy / max_num_logprobs / any_bias / any_penalties: facts of the rows' sampling
+            parameters, which a request keeps for its life.
+    """
+
+    rows: list[int]
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    max_num_logprobs: int | None
+    any_bias: bool
+    any_penalties: bool
 
 
 class SamplingBuffers:
@@ -82,6 +110,10 @@ class SamplingBuffers:
         self._slot_of: dict[str, int] = {}
         self._free = list(range(n - 1, -1, -1))
         self._generators: list[torch.Generator | None] = [None] * n
+        # The previous step's rows and min_tokens flags as on the device (see prepare); None
+        # once a slot changed hands.
+        self._last_rows: _Rows | None = None
+        self._last_active: list[bool] | None = None
 
     @property
     def num_used_slots(self) -> int:
@@ -98,6 +130,7 @@ class SamplingBuffers:
         if slot is not None:
             self._generators[slot] = None
             self._free.append(slot)
+            self._last_rows = None
 
     def reset(self) -> None:
         """Free every slot and reseed the engine generator (after warm-up, so a seed gives the
@@ -110,6 +143,11 @@ class SamplingBuffers:
         """The sampling metadata of one step's sampling rows ``reqs`` (in row order), taking a
         slot for each request that has none yet.
 
+        A step whose rows hold the same slots as the previous step's, none newly taken (a
+        steady decode batch), reuses that step's row -> slot indices on the device and its
+        gathered temperature, top-p and top-k (slot parameters change only when a slot is
+        taken); the ``min_tokens`` flags are copied only when they changed.
+
         Args:
             reqs: the requests that sample this step, aligned with the logits rows.
             vocab_size: columns of the logits.
@@ -117,36 +155,36 @@ class SamplingBuffers:
         Raises:
             RuntimeError: no slot is free (more requests alive than ``max_num_seqs``).
         """
-        n = len(reqs)
-        staged = self._staging.next()
-        rows, active = staged["rows"].numpy(), staged["active"].numpy()
-        new = []
-        for i, r in enumerate(reqs):
-            slot = self._slot_of.get(r.request_id)
+        slot_of = self._slot_of
+        rows, new = [], []
+        for r in reqs:
+            slot = slot_of.get(r.request_id)
             if slot is None:
                 slot = self._take_slot(r)
                 new.append((r, slot))
-            rows[i] = slot
-            # Tokens still in flight (overlap schedule) count: this row samples after them.
-            num_out = len(r.output_token_ids) + r.num_output_placeholders
-            active[i] = num_out < r.sampling_params.min_tokens
+            rows.append(slot)
+        # Tokens still in flight (overlap schedule) count: this row samples after them.
+        active = [
+            len(r.output_token_ids) + r.num_output_placeholders < r.sampling_params.min_tokens
+            for r in reqs
+        ]
         if new:
             self._write_slots(new, vocab_size)
-        self._rows[:n].copy_(staged["rows"][:n], non_blocking=True)
-        self._active[:n].copy_(staged["active"][:n], non_blocking=True)
-        self._staging.copies_queued()
-        slots = self._rows[:n]
-        params = [r.sampling_params for r in reqs]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        state = self._last_rows
+        if new or state is None or state.rows != rows:
+            state = self._last_rows = self._gather_rows(reqs, rows, active)
+        elif active != self._last_active:
+            self._upload(None, active)
+        self._last_active = active
         return SamplingMetadata(
-            temperature=self.temperature.index_select(0, slots),
-            top_p=self.top_p.index_select(0, slots),
-            top_k=self.top_k.index_select(0, slots),
-            generators=[self._generators[s] for s in rows[:n].tolist()],
+            temperature=state.temperature,
+            top_p=state.top_p,
+            top_k=state.top_k,
+            generators=state.generators,
             generator=self.generator,
-            all_greedy=all(p.greedy for p in params),
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            processing=self._processing(params, slots, bool(active[:n].any())),
+            all_greedy=state.all_greedy,
+            max_num_logprobs=state.max_num_logprobs,
+            processing=self._processing(state, len(rows), any(active)),
         )
 
     def record(self, reqs: list[Request], token_ids: torch.Tensor) -> None:
@@ -158,17 +196,51 @@ class SamplingBuffers:
             self.output_counts.index_put_((slots, token_ids), ones, accumulate=True)
 
     # ------------------------------------------------------------------ internals
+    def _gather_rows(self, reqs: list[Request], rows: list[int], active: list[bool]) -> _Rows:
+        """Copy the row -> slot indices ``rows`` and the ``min_tokens`` flags ``active`` to the
+        device and gather the slots' parameters (see :class:`_Rows`)."""
+        self._upload(rows, active)
+        slots = self._rows[: len(rows)]
+        params = [r.sampling_params for r in reqs]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return _Rows(
+            rows=rows,
+            temperature=self.temperature.index_select(0, slots),
+            top_p=self.top_p.index_select(0, slots),
+            top_k=self.top_k.index_select(0, slots),
+            generators=[self._generators[s] for s in rows],
+            all_greedy=all(p.greedy for p in params),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            any_bias=any(p.logit_bias for p in params),
+            any_penalties=any(p.has_penalties for p in params),
+        )
+
+    def _upload(self, rows: list[int] | None, active: list[bool]) -> None:
+        """Copy ``rows`` (unless None) and ``active`` to the device through a pinned set, without
+        a host wait."""
+        staged = self._staging.next()
+        n = len(active)
+        if rows is not None:
+            staged["rows"].numpy()[:n] = rows
+            self._rows[:n].copy_(staged["rows"][:n], non_blocking=True)
+        staged["active"].numpy()[:n] = active
+        self._active[:n].copy_(staged["active"][:n], non_blocking=True)
+        self._staging.copies_queued()
+
     def _processing(
-        self, params: list[SamplingParams], slots: torch.Tensor, any_active: bool
+        self, state: _Rows, n: int, any_active: bool
     ) -> LogitsProcessingMetadata | None:
+        """The logits processing inputs of the step's ``n`` rows, gathered anew every step (the
+        output counts change every step, the ``min_tokens`` flags as tokens come out)."""
         meta = LogitsProcessingMetadata()
+        slots = self._rows[:n]
         if any_active and self.stop_mask is not None:
             meta.stop_mask = self.stop_mask.index_select(0, slots)
-            meta.min_tokens_active = self._active[: len(params)]
-        if any(p.logit_bias for p in params):
+            meta.min_tokens_active = self._active[:n]
+        if state.any_bias:
             meta.bias_ids = self.bias_ids.index_select(0, slots)
             meta.bias_values = self.bias_values.index_select(0, slots)
-        if any(p.has_penalties for p in params):
+        if state.any_penalties:
             meta.prompt_mask = self.prompt_mask.index_select(0, slots)
             meta.output_counts = self.output_counts.index_select(0, slots)
             meta.repetition = self.repetition.index_select(0, slots)
