@@ -195,9 +195,10 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid; allowed: >= 0")
         total = request.num_computed_tokens + num_new_tokens
-        num_needed = self.num_blocks_for(total) - len(request.block_ids)
-        if num_needed <= 0:
-            return True
+        num_held = len(request.block_ids)
+        if total <= num_held * self.block_size:
+            return True  # covered already (most decode steps): no block to count
+        num_needed = self.num_blocks_for(total) - num_held
         if num_needed > self.num_free_blocks:
             return False
         shortfall = num_needed - self.block_pool.num_free_blocks
@@ -241,6 +242,24 @@ class KVCacheManager:
                     is_prompt = (i + 1) * self.block_size <= request.num_prompt_tokens
                     self._newly_cached.append((hashes[i], block_id, is_prompt))
         self._num_offered_blocks[request.request_id] = num_full
+
+    def cache_known_blocks(self, requests: Iterable[Request]) -> None:
+        """:meth:`cache_full_blocks` of each request over its computed tokens whose ids the host
+        knows (``min(num_computed_tokens, num_tokens)``: under the overlap schedule the last
+        computed token may be a placeholder), in order; the step loop calls it once per step.
+
+        A request with no block filled since its last offer is skipped without a call: most
+        decode steps fill none. Skipping it is exact: :meth:`cache_full_blocks` would change
+        nothing, and could not raise, as its table holds every block offered so far.
+        """
+        if self.prefix_cache is None:
+            return
+        offered = self._num_offered_blocks
+        block_size = self.block_size
+        for request in requests:
+            known = min(request.num_computed_tokens, request.num_tokens)
+            if known // block_size > offered.get(request.request_id, 0):
+                self.cache_full_blocks(request, known)
 
     def free(self, request: Request) -> None:
         """Drop the request's reference on each of its blocks and clear ``request.block_ids``.

@@ -162,17 +162,21 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those sampled by steps in flight: what the scheduler computes up
         to (equal to ``num_tokens`` without the overlap schedule)."""
-        return self.num_tokens + self.num_output_placeholders
+        # Read several times per request per step: the lengths directly, not through num_tokens.
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
 
     def reaches_length_limit(self, max_model_len: int, num_pending: int = 0) -> bool:
         """The length rule (``StopChecker`` rules 5 and 6): the request ends with ``length``
         once it holds ``max_model_len`` tokens or ``max_tokens`` output tokens, counting
         ``num_pending`` tokens not appended yet. The scheduler asks it with the placeholders of
         an overlapped step, so a request that will end by length is not scheduled again."""
-        if self.num_tokens + num_pending >= max_model_len:
+        num_output = len(self.output_token_ids) + num_pending
+        if len(self.prompt_token_ids) + num_output >= max_model_len:
             return True
         max_tokens = self.sampling_params.max_tokens
-        return max_tokens is not None and len(self.output_token_ids) + num_pending >= max_tokens
+        return max_tokens is not None and num_output >= max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

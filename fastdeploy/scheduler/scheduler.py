@@ -249,17 +249,17 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        running, max_model_len = self.running, self.max_model_len
         i = 0
         try:
-            while i < len(self.running) and budget > 0:
-                request = self.running[i]
+            while i < len(running) and budget > 0:
+                request = running[i]
                 pending = request.num_output_placeholders
-                if pending and request.reaches_length_limit(self.max_model_len, pending):
+                if pending and request.reaches_length_limit(max_model_len, pending):
                     i += 1  # its token in flight ends it (overlap schedule): nothing to compute
                     continue
-                num_new = min(
-                    request.num_tokens_with_placeholders - request.num_computed_tokens, budget
-                )
+                computed = request.num_computed_tokens
+                num_new = min(request.num_tokens_with_placeholders - computed, budget)
                 if num_new <= 0:
                     raise RuntimeError(
                         f"running request {request.request_id!r} has no token to compute; was "
@@ -267,7 +267,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
                     )
                 if not self._allocate_or_preempt(request, num_new, preempted):
                     break  # it preempted itself: it was the last running request
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(ScheduledRequest(request, computed, num_new))
                 budget -= num_new
                 i += 1
         except Exception:

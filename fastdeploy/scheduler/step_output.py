@@ -68,13 +68,11 @@ class StepOutputMixin:
         samplers = []
         for s in output.scheduled:
             request = s.request
-            samples = s.samples  # read before the counters move
-            request.num_computed_tokens += s.num_new_tokens
-            known = min(request.num_computed_tokens, request.num_tokens)
-            self.kv_cache_manager.cache_full_blocks(request, known)
-            if samples:
+            if s.samples:  # read before the counters move
                 request.num_output_placeholders += 1
                 samplers.append(request)
+            request.num_computed_tokens += s.num_new_tokens
+        self.kv_cache_manager.cache_known_blocks(s.request for s in output.scheduled)
         return samplers
 
     def resolve(self, samplers: list[Request], sampled_token_ids: dict[str, int]) -> list[Request]:
@@ -96,21 +94,17 @@ class StepOutputMixin:
         Raises:
             ValueError: a sampler still here has no token, or none pending (resolved twice).
         """
-        live = [r for r in samplers if self._requests.get(r.request_id) is r]
-        missing = [r.request_id for r in live if r.request_id not in sampled_token_ids]
-        if missing:
-            raise ValueError(f"no sampled token for requests {missing[:8]}")
-        unpending = [r.request_id for r in live if r.num_output_placeholders < 1]
-        if unpending:
-            raise ValueError(f"requests {unpending[:8]} have no token pending: resolved twice?")
+        requests, tokens = self._requests, sampled_token_ids
+        live = [r for r in samplers if requests.get(r.request_id) is r]
+        if any(r.num_output_placeholders < 1 or r.request_id not in tokens for r in live):
+            _raise_unresolvable(live, tokens)  # checked before anything changes
         for request in live:
             request.num_output_placeholders -= 1
             request.output_token_ids.append(sampled_token_ids[request.request_id])
-            if request.status == RequestStatus.RUNNING:
-                known = min(request.num_computed_tokens, request.num_tokens)
-                self.kv_cache_manager.cache_full_blocks(request, known)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
+        running = RequestStatus.RUNNING  # a preempted request holds no block
+        self.kv_cache_manager.cache_known_blocks(r for r in live if r.status == running)
         return live
 
     def _check_not_applied(self, scheduled: list[ScheduledRequest]) -> None:
@@ -120,3 +114,16 @@ class StepOutputMixin:
                     f"request {s.request.request_id!r} has {s.request.num_computed_tokens} "
                     f"computed tokens, the output expects {s.num_computed_tokens}: applied twice?"
                 )
+
+
+def _raise_unresolvable(live: list[Request], sampled_token_ids: dict[str, int]) -> None:
+    """The errors of :meth:`StepOutputMixin.resolve`, checked before anything changes.
+
+    Raises:
+        ValueError: a request with no sampled token, or with none pending.
+    """
+    missing = [r.request_id for r in live if r.request_id not in sampled_token_ids]
+    if missing:
+        raise ValueError(f"no sampled token for requests {missing[:8]}")
+    unpending = [r.request_id for r in live if r.num_output_placeholders < 1]
+    raise ValueError(f"requests {unpending[:8]} have no token pending: resolved twice?")
