@@ -222,7 +222,10 @@ def build_engine(args, model_dir: str, tokens: list[int], **engine_kwargs) -> LL
         seed=0,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(8192, max(tokens)),
-        max_model_len=max(tokens) + 1 if max(tokens) + 1 <= 8192 else 8192,
+        # Room for the longest prefill and for the decode table's context (tokens all shorter
+        # than --decode-context failed the decode rows: a request held more blocks than a row
+        # of the block table).
+        max_model_len=min(max(*tokens, getattr(args, "decode_context", 0)) + 1, 8192),
         num_gpu_blocks_override=max(max(tokens) // 64 + 64, 64 * 9 + 8),
         graph_optimization_config=graph_cfg,
         attention_backend=args.attention_backend,

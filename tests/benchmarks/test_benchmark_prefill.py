@@ -73,3 +73,21 @@ def test_modes_take_a_measure_and_restore_graphs(tmp_path):
         assert bench.runner.graph_runner is bench.graphs
     finally:
         engine.shutdown()
+
+
+def test_engine_holds_the_decode_context_when_every_prompt_is_shorter(tmp_path, monkeypatch):
+    """``--tokens 16 64 --decode-context 512`` once failed its decode rows: max_model_len came
+    from the prompts alone (65 tokens, 2 blocks of 64) and a 512-token decode request needs 8."""
+    bench_mod = load_benchmark()
+    built = []
+    monkeypatch.setattr(
+        bench_mod.LLMEngine, "from_engine_args", classmethod(lambda cls, a: built.append(a))
+    )
+    args = bench_mod.argparse.Namespace(
+        graph_opt_level=0, capture_sizes="tokens", dtype="float32", max_num_seqs=4,
+        attention_backend=None, decode_context=512,
+    )  # fmt: skip
+    bench_mod.build_engine(args, str(tmp_path), [16, 64])
+    bench_mod.build_engine(args, str(tmp_path), [16, 1024])
+    bench_mod.build_engine(args, str(tmp_path), [16, 8192])
+    assert [a.max_model_len for a in built] == [513, 1025, 8192]
