@@ -37,6 +37,23 @@ def test_each_step_gives_new_outputs_that_later_steps_leave_alone():
     assert proc.process([step("a", 101)]) == []  # finished: no longer tracked
 
 
+def test_text_is_joined_on_first_read_not_built_every_step():
+    """Appending each step's text to one string copied the whole text every step (quadratic in
+    the output's length); the pieces are kept instead and joined once, when ``text`` is read,
+    as they were at that step."""
+    proc = OutputProcessor()
+    proc.add_request("a", None, [1], SamplingParams())
+    outs = [proc.process([step("a", 97 + i)])[0].outputs[0] for i in range(3)]
+    assert all(o._text is None for o in outs)  # nothing joined while streaming deltas
+    assert [o.delta_text for o in outs] == ["a", "b", "c"]
+    assert outs[1].text == "ab" and outs[1]._text == "ab"
+    blank = EngineOutput("a", [5], None, True, "length", new_text="")
+    last = proc.process([blank])[0].outputs[0]
+    assert last.text == "abc" and outs[0].text == "a"
+    last.text = "edited"
+    assert last.text == "edited"
+
+
 def test_a_prefix_read_while_the_request_runs_does_not_grow_afterwards():
     proc = OutputProcessor()
     proc.add_request("a", None, [1], SamplingParams())
