@@ -7,7 +7,7 @@ many as they like without "duplicated timeseries" errors. Names follow FastDeplo
 ``fastdeploy:time_to_first_token_seconds``, ...).
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
-by graph mode, padded tokens, the host KV tier's hits, swap-ins and stores) come from
+by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and stores) come from
 ``LLMEngine.get_stats()`` snapshots; the engine reports counts cumulatively, so
 :meth:`ServerMetrics.observe_stats` adds the difference to the Prometheus counters.
 """
@@ -106,6 +106,12 @@ class ServerMetrics:
             ["mode"],
             registry=r,
         )
+        self.preemptions = Counter(
+            "fastdeploy:num_preemptions",
+            "Requests preempted by recompute because the KV cache was full (a request preempted "
+            "twice counts twice).",
+            registry=r,
+        )
         self.padded_tokens = Counter(
             "fastdeploy:padded_tokens",
             "Tokens added to pad batches up to a capture size.",
@@ -187,7 +193,7 @@ class ServerMetrics:
             "Requests holding blocks while their host-tier hits are copied back.",
             registry=r,
         )
-        self._last_pd: dict[str, float] = {}
+        self._last_totals: dict[str, float] = {}
         for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
         for reason in REJECT_REASONS:
@@ -217,6 +223,8 @@ class ServerMetrics:
             if delta > 0:
                 self.steps.labels(mode=mode).inc(delta)
             self._last_steps[mode] = count
+        if "num_preemptions" in stats:
+            self._inc_to("num_preemptions", self.preemptions, stats["num_preemptions"])
         if "num_waiting_for_remote_kv" in stats:
             self.num_waiting_for_remote_kv.set(stats["num_waiting_for_remote_kv"])
         pd = stats.get("pd")
@@ -231,10 +239,10 @@ class ServerMetrics:
 
     def _inc_to(self, key: str, counter: Any, total: float) -> None:
         """Advance ``counter`` to a cumulative ``total`` reported by the engine."""
-        delta = total - self._last_pd.get(key, 0)
+        delta = total - self._last_totals.get(key, 0)
         if delta > 0:
             counter.inc(delta)
-        self._last_pd[key] = total
+        self._last_totals[key] = total
 
     def _observe_pd(self, pd: dict) -> None:
         if "pending_sends" in pd:

@@ -394,16 +394,17 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         )
 
     def get_stats(self) -> dict:
-        """Counters for metrics: running/waiting requests, KV usage, steps by graph mode; with a
-        host KV tier also ``host_cache_hit_tokens``, ``swap_in_bytes``, ``swap_in_seconds``,
-        ``host_store_bytes`` (cumulative), ``host_pending_stores`` (blocks), ``host_cache_usage``
-        (0..1) and ``num_host_blocks``."""
+        """Counters for metrics: running/waiting requests, KV usage, steps by graph mode,
+        ``num_preemptions`` (cumulative); with a host KV tier also ``host_cache_hit_tokens``,
+        ``swap_in_bytes``, ``swap_in_seconds``, ``host_store_bytes`` (cumulative),
+        ``host_pending_stores`` (blocks), ``host_cache_usage`` (0..1) and ``num_host_blocks``."""
         runner = self.worker.runner
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_waiting_for_remote_kv": self.scheduler.num_waiting_for_remote_kv,
             "num_waiting_for_swap_in": self.scheduler.num_waiting_for_swap_in,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_total_blocks": self.kv_cache_manager.num_usable_blocks,

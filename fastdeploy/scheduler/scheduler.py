@@ -53,6 +53,7 @@ from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig, check
 from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from fastdeploy.scheduler.integrity import IntegrityMixin
 from fastdeploy.scheduler.remote_kv import RemoteKVMixin
 from fastdeploy.scheduler.step_output import StepOutputMixin
 from fastdeploy.scheduler.swap_in import SwapInMixin
@@ -71,7 +72,7 @@ class InsufficientKVCacheError(RuntimeError):
         self.request_id = request_id
 
 
-class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
+class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
     """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
 
     Args:
@@ -122,6 +123,8 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._unreported_preempted: list[Request] = []  # preempted by a call that raised
+        #: Preemptions by recompute since start (a request preempted twice counts twice).
+        self.num_preemptions = 0
         # Decode node of a PD deployment: requests holding blocks while their KV is pulled,
         # those admitted to that state since the last take_new_remote_loads(), and aborted ones
         # whose blocks wait for the pull to end.
@@ -282,46 +285,6 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
             scheduled=scheduled, preempted=preempted, finished_request_ids=finished
         )
 
-    def check_integrity(self, other_holders: list[list[int]] | None = None) -> None:
-        """Check the KV cache manager, and that running requests, requests waiting for remote KV,
-        parked cancelled loads and ``other_holders`` (a prefill node's pending sends) hold
-        exactly the used blocks that the prefix cache does not; waiting requests hold none.
-
-        Raises:
-            AssertionError: naming the first broken invariant.
-        """
-        held = [r.block_ids for r in self.running]
-        held += [r.block_ids for r in self.waiting_for_remote_kv.values()]
-        held += [r.block_ids for r in self._cancelled_loads.values()]
-        held += [r.block_ids for r in self.waiting_for_swap_in.values()]
-        held += [r.block_ids for r in self._cancelled_swap_ins]
-        self.kv_cache_manager.check_integrity(held + list(other_holders or []))
-        if len(self.running) > self.max_num_seqs:
-            raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}")
-        for r in self.waiting:
-            if r.block_ids or r.num_computed_tokens or r.status != RequestStatus.WAITING:
-                raise AssertionError(f"waiting request {r.request_id!r} holds blocks or tokens")
-        block_size = self.kv_cache_manager.block_size
-        for r in self.running:
-            if r.status != RequestStatus.RUNNING:
-                raise AssertionError(f"running request {r.request_id!r} has status {r.status}")
-            if len(r.block_ids) * block_size < r.num_computed_tokens:
-                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its KV")
-        for r in self.waiting_for_remote_kv.values():
-            if r.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-                raise AssertionError(f"request {r.request_id!r} waits for KV with {r.status}")
-            if len(r.block_ids) * block_size < r.num_prompt_tokens:
-                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its prompt")
-        for r in self.waiting_for_swap_in.values():
-            if r.status != RequestStatus.WAITING_FOR_SWAP_IN:
-                raise AssertionError(f"request {r.request_id!r} waits for swap-in with {r.status}")
-            if len(r.block_ids) * block_size < r.num_computed_tokens:
-                raise AssertionError(f"request {r.request_id!r}: blocks do not cover its KV")
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        ids += list(self.waiting_for_remote_kv) + list(self.waiting_for_swap_in)
-        if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
-            raise AssertionError("waiting + running differ from the known unfinished requests")
-
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
     ) -> bool:
@@ -358,6 +321,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin):
         request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:

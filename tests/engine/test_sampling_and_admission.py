@@ -165,3 +165,30 @@ def test_a_kv_budget_below_one_max_model_len_lowers_it_instead_of_failing(tiny_d
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         small.engine.shutdown()
+
+
+def test_preemptions_are_counted_in_the_stats_and_the_metrics(tiny_dir):
+    """A pool that holds one request at a time preempts: ``get_stats()['num_preemptions']``
+    counts every preempted request, and ``/metrics`` (``ServerMetrics.render``) shows it as
+    ``fastdeploy:num_preemptions_total``, once however often the same stats are observed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fastdeploy.metrics import ServerMetrics
+
+    small = tiny_llm(tiny_dir, num_gpu_blocks_override=10)  # 144 tokens
+    try:
+        preempted = record_preemptions(small.engine)
+        metrics = ServerMetrics()
+        assert small.engine.get_stats()["num_preemptions"] == 0
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        small.generate(prompts(n=4, lo=50, hi=70, seed=9), params, use_tqdm=False)
+        stats = small.engine.get_stats()
+        assert preempted, "the pool was large enough: no preemption happened"
+        assert stats["num_preemptions"] == len(preempted)
+        metrics.observe_stats(stats)
+        metrics.observe_stats(stats)
+        text = metrics.render().decode()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["fastdeploy:num_preemptions_total"] == len(preempted)
+    finally:
+        small.engine.shutdown()

@@ -314,6 +314,20 @@ def test_preemption_requeues_victims_at_the_front_in_order():
         assert r.output_token_ids == [1000 + n + i for i in range(8)]
 
 
+def test_every_preemption_is_counted():
+    """``num_preemptions`` (read by ``fastdeploy:num_preemptions_total``) counts each preempted
+    request once per preemption, victims preempted in the same step included."""
+    sched = make_scheduler(num_blocks=6, prefix=False, max_model_len=32)  # 5 usable blocks
+    requests = [make_request(f"r{i}", 7, first=100 * i, max_tokens=12) for i in range(3)]
+    for r in requests:
+        sched.add_request(r)
+    assert sched.num_preemptions == 0
+    reported = 0
+    while sched.has_unfinished_requests():
+        reported += len(step(sched).preempted)
+    assert sched.num_preemptions == reported == sum(r.num_preemptions for r in requests) >= 2
+
+
 def test_a_request_larger_than_the_pool_is_an_error():
     sched = make_scheduler(num_blocks=3, max_model_len=32)  # 2 usable blocks = 8 tokens
     a = make_request("a", 8, max_tokens=4)
