@@ -379,8 +379,13 @@ class EngineArgs:
             model_source = resolve_model(self.model, self.load_format, self.tokenizer)
         hf_max = getattr(model_source.hf_config, "max_position_embeddings", None)
         max_model_len = self.resolve_max_model_len(hf_max)
+        # No --model: record what the default resolved to (the bundled GGUF file), so the config
+        # (--print-config, /v1/server_info) names the weights that run.
+        model = self.model if self.model is not None else model_source.weights_path
         return FDConfig(
-            model_config=dataclasses.replace(model_config, max_model_len=max_model_len),
+            model_config=dataclasses.replace(
+                model_config, model=model, max_model_len=max_model_len
+            ),
             cache_config=cache_config,
             parallel_config=parallel_config,
             splitwise_config=splitwise_config,

@@ -183,3 +183,22 @@ def test_print_config_imports_neither_the_web_stack_nor_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_print_config_names_the_default_model_it_resolved(capsys):
+    """Without --model, --print-config shows the bundled GGUF file that would run (not null), and
+    that path given as --model resolves to the same config."""
+    import json
+
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+    from fastdeploy.model_executor.model_loader.source import default_model_file
+
+    try:
+        default = str(default_model_file())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    assert run(build_parser().parse_args(["serve", "--print-config"])) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["model_config"]["model"] == default
+    assert run(build_parser().parse_args(["serve", "--print-config", "--model", default])) == 0
+    assert json.loads(capsys.readouterr().out)["config"] == config
