@@ -10,6 +10,11 @@ from typing import Any
 from fastdeploy.core.sampling_params import SamplingParams
 
 
+class InvalidPromptError(ValueError):
+    """A prompt the model cannot take: empty, or holding a token id outside the vocabulary. The
+    server answers it with a 400 on the prompt's field (``prompt`` or ``messages``)."""
+
+
 class PromptTooLongError(ValueError):
     """A prompt with no room for one output token within ``max_model_len`` (an OpenAI
     ``context_length_exceeded`` error). ``num_prompt_tokens`` and ``max_model_len`` are the two
@@ -34,12 +39,12 @@ def check_prompt_length(
     configured value (the engine lowers it to what the KV cache holds).
 
     Raises:
-        ValueError: ``num_prompt_tokens == 0``.
+        InvalidPromptError: ``num_prompt_tokens == 0``.
         PromptTooLongError: ``num_prompt_tokens >= max_model_len`` (the message names both
             lengths, and ``note``).
     """
     if num_prompt_tokens == 0:
-        raise ValueError("the prompt is empty; at least one token is required")
+        raise InvalidPromptError("the prompt is empty (0 tokens); allowed: at least 1 token")
     if num_prompt_tokens >= max_model_len:
         raise PromptTooLongError(num_prompt_tokens, max_model_len, note)
 
@@ -50,14 +55,18 @@ def check_prompt(
     """Admission check of a prompt's token ids: :func:`check_prompt_length`, then the vocabulary.
 
     Raises:
-        ValueError: an empty prompt, or a token id outside ``[0, vocab_size)``.
+        InvalidPromptError: an empty prompt, or a token id outside ``0..vocab_size-1`` (the
+            message names the first such id, its position and the allowed range).
         PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one output
             token; the message names both lengths).
     """
     check_prompt_length(len(prompt_token_ids), max_model_len, note)
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    for i, t in enumerate(prompt_token_ids):
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidPromptError(
+                f"prompt token id {t!r} at position {i} is outside the vocabulary; allowed: "
+                f"token ids in 0..{vocab_size - 1}"
+            )
 
 
 def check_sampling(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:

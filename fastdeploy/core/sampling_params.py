@@ -77,10 +77,12 @@ class SamplingParams:
             self.stop = [self.stop]
         check(self.n == 1, "n", self.n, "1")
         check(
-            is_number(self.temperature) and self.temperature >= 0,
+            is_number(self.temperature)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0,
             "temperature",
             self.temperature,
-            "a number >= 0",
+            "a finite number >= 0 (0 is greedy)",
         )
         check(
             is_number(self.top_p) and 0 < self.top_p <= 1,

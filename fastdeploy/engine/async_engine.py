@@ -116,7 +116,7 @@ class AsyncLLMEngine:
         engine: an ``LLMEngine`` (or anything with its methods: ``check_request``,
             ``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
             ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
-            ``vocab_size``).
+            ``vocab_size``; ``max_model_len_note`` when it has one).
         output_processor: turns ``EngineOutput`` lists into cumulative ``RequestOutput`` lists,
             new objects each step (they are handed to consumers as they are); default
             ``OutputProcessor()``.
@@ -139,6 +139,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.max_model_len_note: str | None = getattr(engine, "max_model_len_note", None)
         self.vocab_size: int = engine.vocab_size
         self.max_concurrency = max_concurrency
         self.metrics = metrics if metrics is not None else ServerMetrics()

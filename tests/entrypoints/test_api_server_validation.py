@@ -171,7 +171,7 @@ def test_out_of_range_sampling_fields_are_a_400(server, fields, param, words):
 
 
 def test_validation_message_merges_union_branches_only():
-    from fastdeploy.entrypoints.openai.serving_utils import validation_message
+    from fastdeploy.entrypoints.openai.errors import validation_message
 
     union = [
         {"type": "string_type", "loc": ("body", "stop", "str"), "msg": "m", "input": 5},

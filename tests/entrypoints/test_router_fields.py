@@ -15,8 +15,9 @@ import pytest
 from http_server_utils import fake_server
 from pydantic import ValidationError
 
+from fastdeploy.entrypoints.openai.errors import validation_message
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from fastdeploy.entrypoints.openai.serving_utils import sampling_params_from, validation_message
+from fastdeploy.entrypoints.openai.serving_utils import sampling_params_from
 
 MSG = [{"role": "user", "content": "hi"}]
 CLIENT_CHAT = {"model": "m", "messages": MSG, "max_tokens": 8, "temperature": 0}

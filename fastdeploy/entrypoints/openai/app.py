@@ -6,9 +6,10 @@ plan, live engine stats).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, wrong types, unknown fields and bad values (naming the field in ``param``), 400
-``context_length_exceeded`` for a prompt with no room for output, 404 for an unknown model or
-route, 429 with ``Retry-After`` when ``--max-concurrency`` requests are in flight, 503 when the
-engine loop is stopped. Every refusal of a request is counted in
+``context_length_exceeded`` for a prompt with no room for output or a ``max_tokens`` past
+``max_model_len`` (:func:`~fastdeploy.entrypoints.openai.errors.check_context_length`), 404 for an
+unknown model or route, 429 with ``Retry-After`` when ``--max-concurrency`` requests are in flight,
+503 when the engine loop is stopped. Every refusal of a request is counted in
 ``fastdeploy:request_rejected_total`` by reason (``invalid``, ``context_length``,
 ``model_not_found``, ``queue_full``, ``unavailable``), in one place: the error handlers below.
 """
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
+from fastdeploy.entrypoints.openai.errors import APIError, validation_error
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +41,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastdeploy.entrypoints.openai.serving_utils import APIError, validation_error
 
 logger = logging.getLogger("fastdeploy.api_server")
 

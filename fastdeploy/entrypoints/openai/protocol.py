@@ -30,6 +30,7 @@ both legs in its PD mode: they belong to SGLang's own PD protocol, which this se
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Literal
 
@@ -61,6 +62,9 @@ class ErrorResponse(OpenAIModel):
 
 
 # ------------------------------------------------------------------------------------ requests
+#: Largest ``temperature`` a request may ask for (OpenAI's limit; the offline API has none).
+MAX_TEMPERATURE = 2.0
+
 #: Router-added fields accepted only at the value that changes nothing, ``{field: allowed}``; one
 #: rule for both endpoints (:meth:`SamplingFields._neutral_only`).
 NEUTRAL_ONLY: dict[str, bool] = {
@@ -83,8 +87,11 @@ class SamplingFields(StrictModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # Ranges of the float fields: temperature's below (OpenAI's [0, 2]), the others by
+    # SamplingParams. Neither is a pydantic constraint, whose message for JSON's NaN would name
+    # one bound only ("should be less than or equal to 2").
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=0)
     n: int = 1
@@ -125,6 +132,15 @@ class SamplingFields(StrictModel):
         if v is not allowed:
             got, want = json.dumps(v), json.dumps(allowed)
             raise ValueError(f"{info.field_name}={got} is not supported; allowed: {want}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature={v!r} is invalid; allowed: a number in [0, {MAX_TEMPERATURE:g}]"
+            )
         return v
 
     @field_validator("tools")
@@ -204,9 +220,14 @@ class CompletionRequest(SamplingFields):
     @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _defaults_only(cls, v, info: ValidationInfo):
+        """``echo``, ``suffix`` and ``best_of`` > 1 are not implemented: refused, naming the
+        field, rather than ignored (a client would get a different answer than it asked for)."""
         default = {"echo": (False,), "suffix": (None,), "best_of": (None, 1)}[info.field_name]
         if not any(v is d or (type(v) is int and v == d) for d in default):
-            raise ValueError(f"{info.field_name}={v!r} is not supported")
+            allowed = " or ".join(json.dumps(d) for d in default)
+            raise ValueError(
+                f"{info.field_name}={json.dumps(v)} is not supported; allowed: {allowed}"
+            )
         return v
 
 

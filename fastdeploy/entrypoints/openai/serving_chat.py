@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
@@ -22,8 +23,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    api_error_from,
-    bad_request,
     check_text,
     collect_final,
     sampling_params_from,
@@ -75,12 +74,17 @@ class OpenAIServingChat(OpenAIServing):
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens_param = (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
+        max_tokens = getattr(req, max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params_from(req, max_tokens, logprobs)
         prompt, prompt_ids = self.render_prompt(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt, "messages", req)
+        stream = self.admit(
+            request_id, prompt_ids, params, prompt, "messages", req, max_tokens_param
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(

@@ -15,6 +15,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -25,8 +26,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    api_error_from,
-    bad_request,
     check_text,
     collect_final,
     sampling_params_from,
@@ -72,7 +71,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
         prompt, prompt_ids = self.tokenize_prompt(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt", req)
+        # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
+        sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
+        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt", req, sent)
         with_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,83 +1,30 @@
-"""Shared pieces of the serving handlers: OpenAI-style errors, sampling parameters, and collecting
-a request's output while watching for a client disconnect (logprobs are rendered by
+"""Shared pieces of the serving handlers: sampling parameters, admission, and collecting a
+request's output while watching for a client disconnect (errors are built by
+:mod:`fastdeploy.entrypoints.openai.errors`, logprobs rendered by
 :mod:`fastdeploy.entrypoints.openai.logprobs`, streamed events by
 :mod:`fastdeploy.entrypoints.openai.sse`)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse
 
-from fastdeploy.core.errors import KVTransferError, KVWaitTimeoutError
-from fastdeploy.core.request import PromptTooLongError
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
 from fastdeploy.engine.detokenizer import TextOffsets, TokenBytes
-from fastdeploy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from fastdeploy.entrypoints.openai.errors import (
+    APIError,
+    api_error_from,
+    bad_request,
+    check_context_length,
+    param_of,
+)
+from fastdeploy.entrypoints.openai.protocol import SamplingFields
 
 #: Seconds between checks for a disconnected client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.5
-
-
-#: ``fastdeploy:request_rejected_total`` reason (:data:`fastdeploy.metrics.REJECT_REASONS`) of
-#: each refusal status; a 400 ``context_length_exceeded`` counts as ``context_length``.
-REJECT_REASON_OF_STATUS = {
-    400: "invalid",
-    404: "model_not_found",
-    429: "queue_full",
-    503: "unavailable",
-}
-
-
-class APIError(Exception):
-    """An error to answer with ``status`` and an OpenAI-style body.
-
-    ``reason`` is the label it is counted under in ``fastdeploy:request_rejected_total`` when it
-    refuses a request (None for a 500, which is not a refusal).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    @property
-    def reason(self) -> str | None:
-        """The rejection reason (see :data:`REJECT_REASON_OF_STATUS`), or None."""
-        if self.code == "context_length_exceeded":
-            return "context_length"
-        return REJECT_REASON_OF_STATUS.get(self.status)
-
-    def body(self) -> dict[str, Any]:
-        """The ``{"error": {...}}`` body."""
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump(mode="json")
-
-    def response(self) -> JSONResponse:
-        """The error as a JSON response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error``."""
-    return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
 def check_text(text: str, param: str) -> str:
@@ -96,152 +43,6 @@ def check_text(text: str, param: str) -> str:
             param,
         ) from None
     return text
-
-
-def param_of(error: ValueError) -> str | None:
-    """The field named by a config-style ``ValueError('name=value is invalid; ...')``."""
-    match = re.match(r"^(\w+)=", str(error))
-    return match.group(1) if match else None
-
-
-def api_error_from(error: BaseException, prompt_param: str | None = None) -> APIError:
-    """Map an engine-side exception to the HTTP error a client should get.
-
-    :class:`~fastdeploy.core.request.PromptTooLongError` -> 400 ``context_length_exceeded`` on
-    ``prompt_param``; another ``ValueError`` -> 400 on the field it names;
-    :class:`QueueFullError` -> 429 with ``Retry-After``; :class:`EngineDeadError` -> 503;
-    a failed PD KV transfer (:class:`KVTransferError`) -> 502 ``kv_transfer_failed``; a decode
-    node that found no KV blocks in time (:class:`KVWaitTimeoutError`) -> 503; anything else ->
-    500.
-    """
-    if isinstance(error, KVTransferError):
-        return APIError(502, str(error), "upstream_error", code="kv_transfer_failed")
-    if isinstance(error, KVWaitTimeoutError):
-        return APIError(
-            503,
-            str(error),
-            "service_unavailable",
-            code="kv_cache_unavailable",
-            headers={"Retry-After": "1"},
-        )
-    if isinstance(error, PromptTooLongError):
-        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
-    if isinstance(error, QueueFullError):
-        return APIError(
-            429,
-            str(error),
-            "rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(error.retry_after)},
-        )
-    if isinstance(error, EngineDeadError):
-        return APIError(
-            503,
-            str(error),
-            "service_unavailable",
-            code="engine_unavailable",
-            headers={"Retry-After": "5"},
-        )
-    if isinstance(error, ValueError):
-        return bad_request(str(error), param_of(error))
-    return APIError(500, f"internal error: {error!r}", "internal_error")
-
-
-def _short_json(value: Any) -> str | None:
-    """``value`` as short JSON for an error message, or None when it is a container or long."""
-    if not isinstance(value, (str, int, float, bool, type(None))):
-        return None
-    text = json.dumps(value)
-    return text if len(text) < 80 else None
-
-
-def _merge_union_branches(errors: list[dict[str, Any]]) -> list[tuple[list[str], dict]]:
-    """``(field path, error)`` pairs with the branches of one union field merged into one.
-
-    Pydantic reports a value that fits no member of ``str | list[str]`` once per member, with the
-    member's name appended to the path (``stop.str``, ``stop.list[str]``); clients want one line
-    about ``stop``. Branches are recognised as errors on the same parent path and the same input.
-    """
-    merged: list[tuple[list[str], dict]] = []
-    for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        prev = merged[-1] if merged else None
-        if (
-            prev is not None
-            and len(loc) > 1
-            and err.get("type") != "missing"
-            and prev[0][:-1] == loc[:-1]
-            and prev[1].get("input") == err.get("input")
-            and prev[1].get("type") != "missing"
-        ):
-            union = prev[1].setdefault("union_members", [prev[0][-1]])
-            union.append(loc[-1])
-            continue
-        merged.append((loc, dict(err)))
-    return [(loc[:-1] if "union_members" in e else loc, e) for loc, e in merged]
-
-
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Turn pydantic/FastAPI validation errors into ``(message, first field name)``."""
-    parts, first = [], None
-    for loc, err in _merge_union_branches(errors):
-        kind = err.get("type")
-        field = ".".join(loc) if loc else None
-        got = _short_json(err.get("input"))
-        if kind == "json_invalid":
-            ctx = err.get("ctx") or {}
-            where = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
-            parts.append(f"malformed JSON body{where}: {ctx.get('error', err.get('msg'))}")
-            continue
-        if field is None:
-            parts.append(
-                "the request body must be a JSON object"
-                if kind != "missing"
-                else "the request body is empty; expected a JSON object"
-            )
-        elif kind == "extra_forbidden":
-            parts.append(f"unknown field {field!r}")
-        elif kind == "missing":
-            parts.append(f"missing required field {field!r}")
-        elif "union_members" in err:
-            members = " or ".join(err["union_members"])
-            parts.append(f"{field}: expected {members}" + (f" (got {got})" if got else ""))
-        elif kind == "value_error":  # our own validator's message, without pydantic's prefix
-            ctx_error = (err.get("ctx") or {}).get("error")
-            parts.append(str(ctx_error) if ctx_error is not None else _strip(err.get("msg")))
-        else:
-            parts.append(f"{field}: {_strip(err.get('msg'))}" + (f" (got {got})" if got else ""))
-        first = first or field
-    return "; ".join(parts) or "invalid request body", first
-
-
-def _strip(message: Any) -> str:
-    """A pydantic message without its ``Value error, `` / ``Assertion failed, `` prefix."""
-    text = str(message)
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if text.startswith(prefix):
-            return text[len(prefix) :]
-    return text
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The 400 for pydantic/FastAPI validation errors: :func:`validation_message`, with ``param``
-    the first field at fault and ``code`` as OpenAI writes them (``unknown_parameter``,
-    ``missing_required_parameter``, ``invalid_type``, ``invalid_value``; None for a body that is
-    not JSON at all)."""
-    message, param = validation_message(errors)
-    kinds = {e.get("type") for e in errors}
-    if param is None:
-        code = None
-    elif "extra_forbidden" in kinds:
-        code = "unknown_parameter"
-    elif "missing" in kinds:
-        code = "missing_required_parameter"
-    elif any(k and (k.endswith("_type") or k.endswith("_parsing")) for k in kinds):
-        code = "invalid_type"
-    else:
-        code = "invalid_value"
-    return APIError(400, message, param=param, code=code)
 
 
 def sampling_params_from(
@@ -357,13 +158,28 @@ class OpenAIServing:
         prompt: str | None,
         prompt_param: str,
         req: SamplingFields | None = None,
+        max_tokens_param: str | None = None,
     ) -> RequestStream:
         """Queue the request; raises :class:`APIError` (400, 429 or 503) when refused, a prompt
         too long for ``max_model_len`` as ``context_length_exceeded`` on ``prompt_param``. (The
         app's error handler counts every refusal in ``fastdeploy:request_rejected_total``.)
 
+        ``max_tokens_param`` names the field the client set ``params.max_tokens`` with; the
+        prompt plus that value must then fit ``max_model_len``
+        (:func:`~fastdeploy.entrypoints.openai.errors.check_context_length`). None (left out: a
+        default that only caps) skips the rule.
+
         ``req``'s ``kv_transfer_params`` (vLLM's field) make the request a leg of a PD request;
         a prefill leg (``do_remote_decode``) must not stream: its answer carries the params."""
+        if max_tokens_param is not None:
+            check_context_length(
+                len(prompt_token_ids),
+                params.max_tokens,
+                self.engine.max_model_len,
+                prompt_param,
+                max_tokens_param,
+                getattr(self.engine, "max_model_len_note", None),
+            )
         kv_params = getattr(req, "kv_transfer_params", None)
         if isinstance(kv_params, dict) and kv_params.get("do_remote_decode") is True and req.stream:
             raise bad_request(

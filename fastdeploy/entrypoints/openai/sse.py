@@ -20,7 +20,7 @@ from json.encoder import encode_basestring
 from typing import Any
 
 from fastdeploy.engine.async_engine import RequestStream
-from fastdeploy.entrypoints.openai.serving_utils import api_error_from
+from fastdeploy.entrypoints.openai.errors import api_error_from
 
 #: The event that ends every stream.
 DONE = "data: [DONE]\n\n"

@@ -1,0 +1,205 @@
+"""Refusals found by a break-it pass, against the fake engine (``max_model_len`` 128, vocabulary
+0..255): ``max_tokens`` past the context, bad prompts on the prompt's field, NaN and infinite
+sampling values, and request fields that are not supported. Each is a 400 that names the field and
+the value, is counted, and leaves nothing queued in the engine (fast)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from fake_llm_engine import FakeTokenizer
+from http_server_utils import fake_server, get_json, metric_samples
+
+from fastdeploy.core.request import InvalidPromptError
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.errors import api_error_from
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 128
+MSG = [{"role": "user", "content": "x"}]
+CHAT_PROMPT_LEN = len(FakeTokenizer().encode(FakeTokenizer().apply_chat_template(MSG)))
+
+
+@pytest.fixture(scope="module")
+def server():
+    with fake_server(MODEL) as running:
+        yield running
+
+
+def post(url: str, path: str, body: dict | str) -> httpx.Response:
+    if isinstance(body, str):  # raw JSON, for NaN and Infinity
+        headers = {"content-type": "application/json"}
+        return httpx.post(url + path, content=body, headers=headers, timeout=10)
+    return httpx.post(url + path, json=body, timeout=10)
+
+
+def error_of(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def assert_idle(server) -> None:
+    """Nothing queued or running: a refused request never reached the engine."""
+    url, engine, _ = server
+    assert not engine.requests
+    assert get_json(url, "/v1/server_info")["num_in_flight"] == 0
+
+
+# ------------------------------------------------------------------ max_tokens past the context
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, body, prompt_len, where",
+    [
+        ("/v1/chat/completions", {"messages": MSG}, CHAT_PROMPT_LEN, "in the messages"),
+        ("/v1/completions", {"prompt": "x"}, 1, "in the prompt"),
+        ("/v1/completions", {"prompt": [5, 6, 7]}, 3, "in the prompt"),
+    ],
+)
+def test_max_tokens_beyond_the_context_is_a_400_naming_the_numbers(
+    server, path, body, prompt_len, where, stream
+):
+    url = server[0]
+    before = metric_samples(url)
+    r = post(url, path, {**body, "max_tokens": 1_000_000_000, "stream": stream})
+    err = error_of(r)
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert err["type"] == "invalid_request_error"
+    assert err["message"] == (
+        f"this model's maximum context length is {MAX_MODEL_LEN} tokens, but the request asks "
+        f"for {1_000_000_000 + prompt_len}: {prompt_len} {where} plus max_tokens=1000000000; "
+        f"allowed: max_tokens <= {MAX_MODEL_LEN - prompt_len} for this prompt, or leave "
+        "max_tokens out to generate up to the context length"
+    )
+    key = ("fastdeploy:request_rejected_total", (("reason", "context_length"),))
+    assert metric_samples(url)[key] - before.get(key, 0) == 1
+    assert_idle(server)
+
+
+def test_max_completion_tokens_is_the_field_named(server):
+    body = {"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}
+    err = error_of(post(server[0], "/v1/chat/completions", body))
+    assert err["param"] == "max_completion_tokens"
+    assert f"max_completion_tokens <= {MAX_MODEL_LEN - CHAT_PROMPT_LEN}" in err["message"]
+
+
+def test_max_tokens_that_exactly_fills_the_context_is_served(server):
+    url = server[0]
+    room = MAX_MODEL_LEN - CHAT_PROMPT_LEN
+    r = post(url, "/v1/chat/completions", {"messages": MSG, "max_tokens": room})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == room
+    err = error_of(post(url, "/v1/chat/completions", {"messages": MSG, "max_tokens": room + 1}))
+    assert err["param"] == "max_tokens"
+
+
+def test_max_tokens_left_out_still_generates_up_to_the_context(server):
+    """Left out, max_tokens refuses nothing: chat runs to max_model_len, and a completion's
+    default of 16 is a cap even when the prompt leaves less room than that."""
+    url = server[0]
+    r = post(url, "/v1/chat/completions", {"messages": MSG})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["finish_reason"] == "length"
+    assert usage["total_tokens"] == MAX_MODEL_LEN
+    r = post(url, "/v1/completions", {"prompt": [5] * 120})  # 8 tokens of room, default 16
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(url, "/v1/completions", {"prompt": [5] * 120, "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_prompt_with_no_room_is_still_a_prompt_error(server):
+    """Both the prompt and max_tokens are too long: the prompt's own rule answers."""
+    err = error_of(post(server[0], "/v1/completions", {"prompt": [5] * 130, "max_tokens": 50}))
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    assert "the prompt has 130 tokens, but max_model_len is 128" in err["message"]
+
+
+# ------------------------------------------------------------------ bad prompts name their field
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ("", "the prompt is empty (0 tokens); allowed: at least 1 token"),
+        ([], "the prompt is empty (0 tokens); allowed: at least 1 token"),
+        ([[]], "the prompt is empty (0 tokens); allowed: at least 1 token"),
+        (
+            [5, 999],
+            "prompt token id 999 at position 1 is outside the vocabulary; allowed: token ids "
+            "in 0..255",
+        ),
+        ([-1], "prompt token id -1 at position 0 is outside the vocabulary"),
+    ],
+)
+def test_bad_prompts_are_a_400_on_prompt(server, prompt, words):
+    err = error_of(post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 2}))
+    assert (err["param"], err["code"]) == ("prompt", "invalid_value")
+    assert words in err["message"], err
+    assert_idle(server)
+
+
+def test_a_bad_chat_prompt_is_a_400_on_messages():
+    """A chat prompt comes from the template; its errors name ``messages``."""
+    error = api_error_from(InvalidPromptError("prompt token id 300 ..."), "messages")
+    assert (error.status, error.param, error.code) == (400, "messages", "invalid_value")
+
+
+# ------------------------------------------------------------------ NaN and infinite values
+RANGES = {
+    "temperature": "a number in [0, 2]",
+    "top_p": "a number in (0, 1]",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a finite number > 0",
+}
+
+
+@pytest.mark.parametrize(
+    "literal, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf")]
+)
+@pytest.mark.parametrize("field", list(RANGES))
+def test_nan_and_infinite_sampling_values_name_the_value_and_range(server, field, literal, shown):
+    body = '{"messages": [{"role": "user", "content": "x"}], "' + field + '": ' + literal + "}"
+    err = error_of(post(server[0], "/v1/chat/completions", body))
+    assert (err["param"], err["code"]) == (field, "invalid_value")
+    assert err["message"].startswith(f"{field}={shown} is invalid; allowed: {RANGES[field]}"), err
+    assert_idle(server)
+
+
+def test_offline_sampling_params_refuse_an_infinite_temperature():
+    for value in (math.inf, math.nan):
+        with pytest.raises(
+            ValueError, match=r"temperature=(inf|nan) is invalid; allowed: a finite"
+        ):
+            SamplingParams(temperature=value)
+
+
+# ------------------------------------------------------------------ fields that are not supported
+@pytest.mark.parametrize(
+    "path, fields, param, message",
+    [
+        ("/v1/completions", {"n": 2}, "n", "n=2 is not supported; only n=1"),
+        ("/v1/chat/completions", {"n": 3}, "n", "n=3 is not supported; only n=1"),
+        ("/v1/completions", {"best_of": 2}, "best_of", "best_of=2 is not supported; allowed: "
+         "null or 1"),
+        ("/v1/completions", {"echo": True}, "echo", "echo=true is not supported; allowed: false"),
+        ("/v1/completions", {"suffix": "!"}, "suffix", 'suffix="!" is not supported; allowed: '
+         "null"),
+        ("/v1/chat/completions", {"echo": True}, "echo", "unknown field 'echo'"),
+        ("/v1/chat/completions", {"best_of": 2}, "best_of", "unknown field 'best_of'"),
+    ],
+)  # fmt: skip
+def test_unsupported_fields_are_refused_not_ignored(server, path, fields, param, message):
+    body = {"messages": MSG} if path.endswith("chat/completions") else {"prompt": "x"}
+    err = error_of(post(server[0], path, {**body, "max_tokens": 2, **fields}))
+    assert err["param"] == param and err["message"] == message, err
+    assert_idle(server)
+
+
+def test_the_neutral_values_of_unsupported_fields_are_served(server):
+    body = {"prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "suffix": None}
+    r = post(server[0], "/v1/completions", body)
+    assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 2
