@@ -30,6 +30,9 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [chr(i) for i in ids]
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(256)}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
 

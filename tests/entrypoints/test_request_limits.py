@@ -203,3 +203,62 @@ def test_the_neutral_values_of_unsupported_fields_are_served(server):
     body = {"prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "suffix": None}
     r = post(server[0], "/v1/completions", body)
     assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 2
+
+
+# ------------------------------------------------------------------ tokenizing
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "y" * (2 * MAX_MODEL_LEN + 1)}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 300}]},
+         "messages"),
+    ],
+)  # fmt: skip
+def test_a_text_too_long_for_any_context_is_refused_before_it_is_tokenized(
+    server, monkeypatch, path, body, param
+):
+    """A break-it pass sent an 18 MB prompt: tokenizing it took 9 s, and /health waited as long.
+    The fake's tokens are one character each, so any text of more than 2 * 128 characters
+    cannot fit; it is refused by its length, and the tokenizer never sees it."""
+    url, engine, _ = server
+    seen = []
+    monkeypatch.setattr(FakeTokenizer, "encode", lambda self, text, **kw: seen.append(text))
+    error = error_of(post(url, path, {"model": MODEL, **body}))
+    assert error["param"] == param and error["code"] == "context_length_exceeded"
+    assert (
+        "more than any text that fits" in error["message"] and "256 characters" in error["message"]
+    )
+    assert seen == []
+    assert_idle(server)
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    """While one request's prompt is being tokenized, the server answers others: the encode
+    below blocks until /health has been answered, which could never happen if it ran on the
+    event loop (the test would then time out instead of passing)."""
+    import threading
+
+    url, engine, _ = server
+    answered, entered = threading.Event(), threading.Event()
+    encode = FakeTokenizer.encode
+
+    def slow_encode(self, text, **kwargs):
+        entered.set()
+        assert answered.wait(10), "the health check was not answered while tokenizing"
+        return encode(self, text, **kwargs)
+
+    monkeypatch.setattr(FakeTokenizer, "encode", slow_encode)
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        )
+    )
+    worker.start()
+    try:
+        assert entered.wait(10)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        answered.set()
+        worker.join(20)
+    assert result["r"].status_code == 200, result["r"].text

@@ -23,7 +23,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    check_text,
     collect_final,
     sampling_params_from,
     with_kv_transfer_params,
@@ -59,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # noqa: BLE001 - a template error is the client's conversation
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        return text, self.tokenizer.encode(check_text(text, "messages"), add_special_tokens=False)
+        return text, self.encode(text, "messages", add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
         """Run one chat completion.
@@ -80,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = getattr(req, max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params_from(req, max_tokens, logprobs)
-        prompt, prompt_ids = self.render_prompt(req)
+        prompt, prompt_ids = await self.off_loop(self.render_prompt, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.admit(
             request_id, prompt_ids, params, prompt, "messages", req, max_tokens_param

@@ -26,7 +26,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    check_text,
     collect_final,
     sampling_params_from,
     with_kv_transfer_params,
@@ -54,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.require_tokenizer("a text prompt", "prompt")
-            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+            return prompt, self.encode(prompt, "prompt")
         return None, list(prompt)
 
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> Response:
@@ -69,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
-        prompt, prompt_ids = self.tokenize_prompt(req)
+        prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None

@@ -7,7 +7,9 @@ request's output while watching for a client disconnect (errors are built by
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
@@ -22,6 +24,8 @@ from fastdeploy.entrypoints.openai.errors import (
     param_of,
 )
 from fastdeploy.entrypoints.openai.protocol import SamplingFields
+
+T = TypeVar("T")
 
 #: Seconds between checks for a disconnected client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.5
@@ -122,6 +126,50 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
+        self._max_token_chars: int | None = None
+        # Prompts are rendered and tokenized here, one at a time (a fast tokenizer is not safe
+        # to share between threads that encode), never on the event loop.
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizing thread: rendering a chat template and encoding a
+        long prompt take milliseconds to seconds, during which the event loop would answer
+        nobody else."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+
+    def encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Token ids of ``text`` (a prompt, or a rendered conversation), after two checks that
+        tokenize nothing: the text is valid Unicode (:func:`check_text`), and it is not longer
+        than any prompt that could fit ``max_model_len``. A token stands for at most
+        ``max_token_chars`` characters (the longest vocabulary entry), so a text of more than
+        twice ``max_model_len * max_token_chars`` characters cannot fit; tokenizing one (an
+        18 MB prompt took 9 s on two CPU cores) would only end in the same refusal.
+
+        Raises:
+            APIError: 400 on ``param`` (a lone surrogate), or 400 ``context_length_exceeded``
+                naming the text's length and the limit.
+        """
+        check_text(text, param)
+        max_model_len = self.engine.max_model_len
+        limit = 2 * max_model_len * self.max_token_chars
+        if len(text) > limit:
+            raise APIError(
+                400,
+                f"{param} is {len(text)} characters long, more than any text that fits this "
+                f"model's maximum context length of {max_model_len} tokens can be (at most "
+                f"{limit} characters here); allowed: a prompt of fewer than {max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return self.tokenizer.encode(text, **kwargs)
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters in the longest entry of the vocabulary (added tokens included): no token
+        covers more characters of a text than that."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self._max_token_chars
 
     def text_offsets(self, params: SamplingParams) -> TextOffsets | None:
         """A fresh :class:`TextOffsets` for one response (None without a tokenizer)."""
