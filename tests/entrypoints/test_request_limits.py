@@ -262,3 +262,25 @@ def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
         answered.set()
         worker.join(20)
     assert result["r"].status_code == 200, result["r"].text
+
+
+JSON_UTF8 = {"content-type": "application/json; charset=utf-8"}
+
+
+def test_a_body_sent_as_a_form_is_told_to_use_json(server):
+    """``curl -d`` sends ``application/x-www-form-urlencoded``: the refusal names the header,
+    not the (valid JSON) body; JSON with a charset parameter is still read."""
+    url, _, _ = server
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        url + "/v1/completions",
+        content=body,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+        timeout=10,
+    )
+    error = error_of(r)
+    assert "Content-Type 'application/x-www-form-urlencoded' is not supported" in error["message"]
+    assert "application/json" in error["message"]
+    ok = httpx.post(url + "/v1/completions", content=body, headers=JSON_UTF8, timeout=10)
+    assert ok.status_code == 200, ok.text
+    assert_idle(server)

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
-from fastdeploy.entrypoints.openai.errors import APIError, validation_error
+from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_error
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,7 +75,17 @@ def build_app(
         return refuse(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        mime = ctype.split(";")[0].strip().lower()
+        if ctype and mime != "application/json" and not mime.endswith("+json"):
+            # FastAPI did not read the body as JSON at all (curl -d sends a form by default).
+            return refuse(
+                bad_request(
+                    f"Content-Type {ctype!r} is not supported; allowed: application/json (with "
+                    f"a JSON object body)"
+                )
+            )
         return refuse(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
