@@ -284,3 +284,22 @@ def test_a_body_sent_as_a_form_is_told_to_use_json(server):
     ok = httpx.post(url + "/v1/completions", content=body, headers=JSON_UTF8, timeout=10)
     assert ok.status_code == 200, ok.text
     assert_idle(server)
+
+
+@pytest.mark.parametrize(
+    "prompt, text",
+    [
+        ([1, 2.5], "prompt[1] is float 2.5, but prompt[0] is a token id (an integer)"),
+        ([1, True], "prompt[1] is bool True, but prompt[0] is a token id (an integer)"),
+        (["a", [1]], "prompt[1] is a list of token ids, but prompt[0] is a string"),
+        ([2.5], "prompt[0] is float 2.5; allowed: a string, a list of token ids"),
+    ],
+)
+def test_a_list_prompt_mixing_kinds_names_the_first_odd_item(server, prompt, text):
+    """pydantic answered each branch of the prompt's union at once (``prompt.str: ...;
+    prompt.list[str].0: ...; ...``); one message now names the item that differs."""
+    url, _, _ = server
+    error = error_of(post(url, "/v1/completions", {"model": MODEL, "prompt": prompt}))
+    assert error["param"] == "prompt" and text in error["message"], error
+    assert ";" not in error["message"].split("; allowed")[0]
+    assert_idle(server)

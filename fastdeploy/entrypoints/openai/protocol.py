@@ -217,6 +217,38 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt_shape(cls, v):
+        """A list prompt holds items of one kind: strings, token ids (integers, booleans
+        excluded) or lists of token ids. A list that mixes them is refused naming the first
+        item that differs, instead of pydantic's error for each branch of the union."""
+        if not isinstance(v, list) or not v:
+            return v
+
+        def kind(item) -> str:
+            if isinstance(item, str):
+                return "a string"
+            if isinstance(item, int) and not isinstance(item, bool):
+                return "a token id (an integer)"
+            if isinstance(item, list):
+                return "a list of token ids"
+            return f"{type(item).__name__} {item!r}"
+
+        allowed = (
+            "allowed: a string, a list of token ids (integers), or a list of strings or of "
+            "token-id lists"
+        )
+        first = kind(v[0])
+        if not first.startswith("a "):
+            raise ValueError(f"prompt[0] is {first}; {allowed}")
+        for i, item in enumerate(v):
+            if kind(item) != first:
+                raise ValueError(
+                    f"prompt[{i}] is {kind(item)}, but prompt[0] is {first}; {allowed}"
+                )
+        return v
+
     @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _defaults_only(cls, v, info: ValidationInfo):
