@@ -32,102 +32,18 @@ import torch
 
 from custom_ops.kv_cache_ops import write_kv_cache
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
-
-#: Least float workspace shared by all wrappers (split-KV partial results); flashinfer recommends
-#: 128 MiB, and :func:`float_workspace_bytes` raises it where a split-KV prefill needs more.
-WORKSPACE_BYTES = 128 << 20
-#: Reserve on top of the split-KV prefill bound (alignment padding, the tmp_s rows).
-WORKSPACE_MARGIN_BYTES = 16 << 20
-
-
-def float_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """Float workspace that every plan fits in: at least :data:`WORKSPACE_BYTES`, and the most a
-    split-KV prefill plan takes.
-
-    From flashinfer 0.5.3 ``attention/scheduler.cuh`` (``PrefillPlan``): a split-KV prefill
-    allocates ``tmp_v = num_qo_heads * padded_batch_size * cta_tile_q * head_dim * 4`` bytes and
-    ``tmp_s`` (the same without ``head_dim``), where ``padded_batch_size <= 2 * num_sms /
-    num_kv_heads`` (two CTAs per SM, split only while the tiles fit) and ``cta_tile_q <= 128``.
-    With 32 query and 4 KV heads of 128 (Qwen3-30B-A3B) on 132 SMs that is 139 MB: more than the
-    128 MiB flashinfer suggests, which overflowed at 8,192-token prefills.
-    """
-    ctas_per_kv_head = 2 * num_sms // num_kv_heads
-    split_kv = num_heads * ctas_per_kv_head * 128 * (head_dim + 1) * 4
-    return max(WORKSPACE_BYTES, split_kv + WORKSPACE_MARGIN_BYTES)
-
+from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
+    WORKSPACE_BYTES,
+    WORKSPACE_MARGIN_BYTES,
+    PagedKVLayout,
+    float_workspace_bytes,
+    paged_kv_layout,
+)
 
 #: Int workspace (the plan's schedule) shared by the CUDA-graph decode wrappers; flashinfer's size.
 INT_WORKSPACE_BYTES = 8 << 20
 #: Context length assumed for sizing the graph page-index buffer when ``max_num_blocks`` is unset.
 DEFAULT_MAX_MODEL_LEN = 32768
-
-
-@dataclass
-class PagedKVLayout:
-    """A batch's pages in flashinfer's CSR form, built on the host.
-
-    Attributes:
-        qo_indptr: int32 CPU ``[R + 1]``, cumulative query lengths (``R`` = requests incl. padding).
-        kv_indptr: int32 CPU ``[R + 1]``, cumulative page counts.
-        kv_last_page_len: int32 CPU ``[R]``, tokens in each request's last page (1..block_size;
-            1 for padding requests, which have no pages).
-        page_rows: int64 numpy ``[kv_indptr[-1]]``, for every page the flat index
-            ``request * table_width + page`` into the row-major block table.
-    """
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    page_rows: np.ndarray
-
-
-def paged_kv_layout(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_size: int,
-    table_width: int,
-    num_padding_reqs: int = 0,
-) -> PagedKVLayout:
-    """CSR page layout of a batch from host lengths (pure host work).
-
-    Args:
-        query_lens / seq_lens: new tokens and KV length (after this step) of each request.
-        block_size: tokens per page.
-        table_width: columns of the block table (``max_blocks_per_seq``).
-        num_padding_reqs: empty requests appended to fill a CUDA-graph bucket: no pages and
-            ``last_page_len`` 1 (flashinfer reads 0 as a full page), so the kernel sees length 0.
-
-    Raises:
-        ValueError: a sequence shorter than 1 or than its query, or longer than the block table.
-    """
-    q = np.asarray(query_lens, dtype=np.int64)
-    s = np.asarray(seq_lens, dtype=np.int64)
-    n = len(s)
-    pages = (s + block_size - 1) // block_size
-    if len(q) != n or (n and (s.min() < 1 or q.min() < 0 or (q > s).any())):
-        raise ValueError(
-            f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens="
-            f"{q.tolist()}, seq_lens={s.tolist()}"
-        )
-    if n and pages.max() > table_width:
-        raise ValueError(
-            f"a sequence of {int(s.max())} tokens needs {int(pages.max())} blocks, "
-            f"more than the block table's {table_width}"
-        )
-    total = n + num_padding_reqs
-    qo_indptr = np.zeros(total + 1, dtype=np.int32)
-    qo_indptr[1 : n + 1] = np.cumsum(q)
-    qo_indptr[n + 1 :] = qo_indptr[n]
-    kv_indptr = np.zeros(total + 1, dtype=np.int32)
-    kv_indptr[1 : n + 1] = np.cumsum(pages)
-    kv_indptr[n + 1 :] = kv_indptr[n]
-    last = np.ones(total, dtype=np.int32)
-    last[:n] = s - (pages - 1) * block_size
-    req = np.repeat(np.arange(n, dtype=np.int64), pages)
-    page_rows = req * table_width + (np.arange(req.size, dtype=np.int64) - kv_indptr[req])
-    return PagedKVLayout(
-        torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last), page_rows
-    )
 
 
 @dataclass
