@@ -27,6 +27,10 @@ from fastdeploy.entrypoints.openai.protocol import SamplingFields
 
 T = TypeVar("T")
 
+#: The one thread every handler renders and tokenizes prompts on, one at a time (a fast
+#: tokenizer is not safe to share between threads that encode), never on the event loop.
+_TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-tokenize")
+
 #: Seconds between checks for a disconnected client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.5
 
@@ -127,15 +131,12 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self._max_token_chars: int | None = None
-        # Prompts are rendered and tokenized here, one at a time (a fast tokenizer is not safe
-        # to share between threads that encode), never on the event loop.
-        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-tokenize")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizing thread: rendering a chat template and encoding a
         long prompt take milliseconds to seconds, during which the event loop would answer
         nobody else."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, fn, *args)
 
     def encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
         """Token ids of ``text`` (a prompt, or a rendered conversation), after two checks that
