@@ -25,9 +25,22 @@ class ForwardMeta:
         layer_events: None, or one event per layer (a ``torch.cuda.Event``) marking that this
             step's host-tier swap-in of that layer's KV landed: the layer's attention makes the
             device stream wait on it before reading its cache (``swap_in_mode=layerwise``).
+        slot_mapping: int64 ``[>= T]``, the step's slot of each token (-1: padding), when the
+            layers may store K/V in their RoPE kernel (:meth:`kv_store`); None: the attention
+            backend stores them.
     """
 
     attn_backend: AttentionBackend
     attn_metadata: Any
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     layer_events: list | None = None
+    slot_mapping: torch.Tensor | None = None
+
+    def kv_store(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(kv_caches[layer_idx], slot_mapping)`` where a layer should store its K/V with its
+        RoPE (one fused kernel on CUDA) instead of in the attention, else None: without a slot
+        mapping, and under a layer-by-layer swap-in, whose copy into the cache must land (the
+        layer's event) before anything writes there."""
+        if self.slot_mapping is None or self.layer_events is not None:
+            return None
+        return self.kv_caches[layer_idx], self.slot_mapping

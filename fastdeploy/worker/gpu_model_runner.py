@@ -112,7 +112,9 @@ class GPUModelRunner:
         for b in graphs.plan.decode_capture_sizes:
             sched = dummy_step([1] * b, block_size, history=1, share_block=True)
             inputs = self.buffers.prepare(sched, padded=b)
-            meta = ForwardMeta(self.attn_backend, None, self.kv_caches)
+            meta = ForwardMeta(
+                self.attn_backend, None, self.kv_caches, slot_mapping=inputs.batch.slot_mapping
+            )
             graphs.capture_full_decode(b, inputs.input_ids, inputs.positions, inputs.batch, meta)
             if progress is not None:
                 progress.update(1)
@@ -121,12 +123,14 @@ class GPUModelRunner:
     def build_forward_meta(
         self, inputs: StepInputs, layer_events: list | None = None
     ) -> ForwardMeta:
-        """Attention metadata is built here, once per step, never per layer."""
+        """Attention metadata is built here, once per step, never per layer. The layers store
+        K/V with their RoPE through the step's slot mapping (:meth:`ForwardMeta.kv_store`)."""
         return ForwardMeta(
             attn_backend=self.attn_backend,
             attn_metadata=self.attn_backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
             layer_events=layer_events or None,
+            slot_mapping=inputs.batch.slot_mapping,
         )
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:

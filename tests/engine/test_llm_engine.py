@@ -283,11 +283,8 @@ def test_segments_that_write_the_kv_cache_compose_to_the_model_forward(llm):
             c.zero_()
         inputs_ids, positions = runner.buffers.input_ids[:48], runner.buffers.positions[:48]
         slots = meta.attn_metadata.slot_mapping
-
-        def write_kv(i, k, v):
-            runner.attn_backend.write_kv(k, v, caches[i], slots)
-
-        segments = make_segments(runner.model, bufs, inputs_ids, positions, write_kv)
+        kv_stores = [(c, slots) for c in caches]
+        segments = make_segments(runner.model, bufs, inputs_ids, positions, kv_stores)
         graph = PiecewiseGraph(48, segments, bufs, [la.attn for la in layers], kv_in_segments=True)
         got = graph.run_eager(meta)[:40]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

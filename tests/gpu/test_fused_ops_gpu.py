@@ -102,6 +102,53 @@ def test_rope_in_place_on_qkv_views(rotary_fraction: float):
     bf16_close(out_k, ref_k, ex_k, f"rope k (rotary {rope.rotary_dim})")
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,rotary_fraction,tokens",
+    [(9, 3, 64, 1.0, 1), (9, 3, 64, 1.0, 300), (32, 8, 128, 1.0, 64), (8, 2, 128, 0.5, 300)],
+)
+def test_rope_and_kv_write_fused(heads, kv_heads, head_dim, rotary_fraction, tokens):
+    """The one-kernel RoPE + KV write (``forward_and_store``) on q/k/v views of a merged QKV
+    output: q and k equal flashinfer's in-place RoPE, the cache holds exactly the rotated k and
+    the v at each real token's slot, padding rows (slot -1) store nothing, v is untouched."""
+    from custom_ops.kv_cache_ops import write_kv_cache_triton
+
+    torch.manual_seed(0)
+    max_pos, block_size, num_blocks = 4096, 16, 64
+    params = {"rope_type": "default", "rope_theta": 500000.0}
+    rope = RotaryEmbedding(
+        head_dim, max_pos, params, BF16, rotary_dim=int(head_dim * rotary_fraction)
+    ).cuda()
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, device="cuda", dtype=BF16)
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+    slots[1::7] = -1  # padding rows
+    shape = (num_blocks, 2, block_size, kv_heads, head_dim)
+    want_cache = torch.full(shape, 7.0, device="cuda", dtype=BF16)
+    cache = want_cache.clone()
+    want = qkv.clone()
+    wq, wk, wv = want.split([q_size, kv_size, kv_size], dim=-1)
+    rope(positions, wq, wk)  # flashinfer's kernel, in place
+    write_kv_cache_triton(wk, wv, want_cache, slots)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    out_q, out_k = rope.forward_and_store(positions, q, k, v, cache, slots)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    diff_q = (q.float() - wq.float()).abs().max().item()
+    diff_k = (k.float() - wk.float()).abs().max().item()
+    print(f"fused rope+kv vs flashinfer rope: max |dq| {diff_q:.3g}, |dk| {diff_k:.3g}")
+    # Same float32 formula, one rounding: equal up to one bf16 ulp where FMA contraction differs.
+    torch.testing.assert_close(q, wq, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(k, wk, rtol=2**-7, atol=2**-7)
+    assert torch.equal(v, wv)
+    # The cache holds exactly this kernel's own k (and v) at each real token's slot, and the
+    # sentinel everywhere else.
+    exact = want_cache.clone()
+    write_kv_cache_triton(k, v, exact, slots)
+    assert torch.equal(cache, exact)
+    torch.testing.assert_close(cache, want_cache, rtol=2**-7, atol=2**-7)
+    assert int((cache == 7.0).all(-1).all(-1).sum()) >= num_blocks * 2 * block_size - 2 * tokens
+
+
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (513, 14336)])
 def test_silu_and_mul(tokens: int, inter: int):
     torch.manual_seed(0)

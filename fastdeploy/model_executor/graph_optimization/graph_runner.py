@@ -135,18 +135,14 @@ class CudaGraphRunner:
         """
         self._check_order("prefill", num_tokens)
         bufs = self.segment_buffers()
-        write_kv = None
+        kv_stores = None
         if self.graph_opt_level == 0:  # torch.compile'd segments keep the KV write eager
-            backend, slots = forward_meta.attn_backend, forward_meta.attn_metadata.slot_mapping
-            caches = [forward_meta.kv_caches[a.layer_idx] for a in self.attn_layers]
-
-            def write_kv(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-                backend.write_kv(k, v, caches[i], slots)
-
-        segments = make_segments(self.model, bufs, input_ids, positions, write_kv)
+            slots = forward_meta.attn_metadata.slot_mapping
+            kv_stores = [(forward_meta.kv_caches[a.layer_idx], slots) for a in self.attn_layers]
+        segments = make_segments(self.model, bufs, input_ids, positions, kv_stores)
         segments = compile_segments(segments, self.graph_opt_level)
         graph = PiecewiseGraph(
-            num_tokens, segments, bufs, self.attn_layers, kv_in_segments=write_kv is not None
+            num_tokens, segments, bufs, self.attn_layers, kv_in_segments=kv_stores is not None
         )
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):

@@ -98,11 +98,13 @@ class PiecewiseLayer(Protocol):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         qkv_out: torch.Tensor | None = None,
+        kv_store: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """int64 ``positions [T]``, ``hidden_states [T, hidden]``, ``residual [T, hidden]``
         (None entering the first layer) -> ``q [T, H*D]``, ``k, v [T, KV*D]``,
         ``residual [T, hidden]``. ``qkv_out [T, (H + 2*KV)*D]``: where the merged projection
-        writes (the segments' buffer); what is returned may be views of it."""
+        writes (the segments' buffer); what is returned may be views of it. ``kv_store``:
+        ``(kv_cache, slot_mapping)`` where the layer also stores its rotated K and its V."""
         ...
 
     def post_attention(
@@ -139,17 +141,17 @@ def make_segments(
     bufs: SegmentBuffers,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    write_kv: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    kv_stores: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[Callable[[], None]]:
     """The ``L + 1`` segment callables for a bucket of ``n = input_ids.numel()`` tokens.
 
     Each callable takes no argument: it reads ``input_ids``/``positions`` (views of the runner's
     persistent buffers) and the ``bufs`` views, and writes its results into ``bufs`` in place.
-    With ``write_kv`` (``write_kv(i, k, v)``: store layer ``i``'s ``k``/``v`` in its cache at the
-    step's slot mapping, a persistent buffer) each segment also writes the K/V of the layer
-    whose attention follows it, so that the eager attention between segments only attends (one
-    Triton launch less per layer on the host's critical path) and must be called with
-    ``write_kv=False``.
+    With ``kv_stores`` (entry ``i``: layer ``i``'s ``(kv_cache, slot_mapping)``, the slot
+    mapping a persistent buffer) each segment also stores the K/V of the layer whose attention
+    follows it, in that layer's RoPE kernel (``pre_attention(kv_store=...)``), so that the eager
+    attention between segments only attends (one launch less per layer on the host's critical
+    path, and one kernel less per layer on the GPU) and must be called with ``write_kv=False``.
     """
     n = input_ids.shape[0]
     qkv = None if bufs.qkv is None else bufs.qkv[:n]
@@ -162,20 +164,22 @@ def make_segments(
         # rotates them there): only tensors made elsewhere (a q/k norm's output) are copied.
         # Under torch.compile (levels 1, 2) every one is copied: dynamo cannot trace
         # data_ptr(), and Inductor plans the copies itself.
-        if write_kv is not None:
-            write_kv(i, out[1], out[2])
         compiling = torch.compiler.is_compiling()
         for dst, src in zip((q, k, v, residual), out):
             if compiling or src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
 
+    def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if kv_stores is None else kv_stores[i]
+
     def first() -> None:
-        store(0, layers[0].pre_attention(positions, model.embed(input_ids), None, qkv))
+        h = model.embed(input_ids)
+        store(0, layers[0].pre_attention(positions, h, None, qkv, kv(0)))
 
     def middle(i: int) -> Callable[[], None]:
         def seg() -> None:
             h, res = layers[i - 1].post_attention(attn, residual)
-            store(i, layers[i].pre_attention(positions, h, res, qkv))
+            store(i, layers[i].pre_attention(positions, h, res, qkv, kv(i)))
 
         return seg
 
@@ -215,7 +219,7 @@ class PiecewiseGraph:
         segments: from :func:`make_segments` (optionally wrapped by ``torch.compile``).
         bufs: the shared segment buffers.
         attn_layers: the model's attention layers in order (their ``layer_idx`` picks the cache).
-        kv_in_segments: the segments write each layer's K/V (``make_segments(write_kv=...)``),
+        kv_in_segments: the segments write each layer's K/V (``make_segments(kv_stores=...)``),
             so the attention between them does not.
     """
 

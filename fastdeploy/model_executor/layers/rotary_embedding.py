@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from custom_ops.kv_cache_ops import write_kv_cache
 from fastdeploy.model_executor.layers.fused_ops import use_flashinfer
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -160,6 +161,37 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return self.forward_native(positions, q, k)
 
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, then store the rotated ``k`` and ``v`` at ``slot_mapping`` (int64
+        ``[>= T]``, negative for a padding row) of ``kv_cache`` (``[num_blocks, 2, block_size,
+        KV, head_dim]``).
+
+        On CUDA with the fused ops on this is one Triton kernel
+        (:func:`custom_ops.rope_kv_ops.rope_and_write_kv_triton`: ``q``/``k`` rotated in place,
+        float32 cos/sin as flashinfer's RoPE) instead of the RoPE kernel plus the KV write;
+        elsewhere :meth:`forward` and :func:`custom_ops.kv_cache_ops.write_kv_cache`.
+
+        Returns:
+            ``(q, k)`` rotated, as :meth:`forward`.
+        """
+        if use_flashinfer(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+            from custom_ops.rope_kv_ops import rope_and_write_kv_triton
+
+            return rope_and_write_kv_triton(
+                positions, q, k, v, self.head_dim, self.cos_sin_cache, kv_cache, slot_mapping
+            )
+        q, k = self.forward(positions, q, k)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
+
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +267,22 @@ class InterleavedRotaryEmbedding(nn.Module):
             return out.to(x.dtype).reshape(x.shape)
 
         return rotate(q), rotate(k)
+
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, then the rotated ``k`` and ``v`` stored at their slots
+        (:func:`custom_ops.kv_cache_ops.write_kv_cache`; not fused); as
+        :meth:`RotaryEmbedding.forward_and_store`."""
+        q, k = self.forward(positions, q, k)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
 
     def extra_repr(self) -> str:
         return (

@@ -199,6 +199,7 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         qkv_out: torch.Tensor | None = None,
+        kv_store: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm (with the residual add), q/k/v projection, q/k norm, RoPE.
 
@@ -207,6 +208,9 @@ class DecoderLayer(nn.Module):
             qkv_out: optional ``[T, (H + 2 * KV) * head_dim]`` buffer the merged projection
                 writes into; ``q``, ``k`` and ``v`` are then views of it (``q`` and ``k`` new
                 tensors where a q/k norm applies).
+            kv_store: optional ``(kv_cache, slot_mapping)`` of this layer: the rotated ``k``
+                and ``v`` are also stored there, in the RoPE kernel on CUDA
+                (``rotary_emb.forward_and_store``), so the attention must not write them again.
 
         Returns:
             ``q [T, H * head_dim]``, ``k`` and ``v [T, KV * head_dim]``, ``residual [T, hidden]``.
@@ -220,7 +224,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = self._head_norm(self.q_norm, q)
             k = self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
+        if kv_store is None:
+            q, k = self.rotary_emb(positions, q, k)
+        else:
+            q, k = self.rotary_emb.forward_and_store(positions, q, k, v, *kv_store)
         return q, k, v, residual
 
     def post_attention(
@@ -361,8 +368,11 @@ class DecoderForCausalLM(HFWeightsMixin, nn.Module):
         hidden_states = self.embed(input_ids)
         residual = None
         for layer in self.layers:
-            q, k, v, residual = layer.pre_attention(positions, hidden_states, residual)
-            attn_output = layer.attn(q, k, v, forward_meta)
+            store = forward_meta.kv_store(layer.attn.layer_idx)
+            q, k, v, residual = layer.pre_attention(
+                positions, hidden_states, residual, kv_store=store
+            )
+            attn_output = layer.attn(q, k, v, forward_meta, write_kv=store is None)
             hidden_states, residual = layer.post_attention(attn_output, residual)
         return self.final_norm(hidden_states, residual)
 

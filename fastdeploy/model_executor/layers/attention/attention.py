@@ -30,9 +30,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_meta: ForwardMeta
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_meta: ForwardMeta,
+        write_kv: bool = True,
     ) -> torch.Tensor:
-        """Write K/V to this layer's cache and attend.
+        """Write K/V to this layer's cache (unless ``write_kv`` is False: the RoPE kernel
+        stored them, see :meth:`ForwardMeta.kv_store`) and attend.
 
         With ``forward_meta.layer_events`` (a layer-by-layer host-tier swap-in), the device
         stream first waits on this layer's event, so the cache is read only after its copy
@@ -48,7 +54,12 @@ class Attention(nn.Module):
         if forward_meta.layer_events is not None:
             forward_meta.layer_events[self.layer_idx].wait()
         return forward_meta.attn_backend.forward(
-            q, k, v, forward_meta.kv_caches[self.layer_idx], forward_meta.attn_metadata
+            q,
+            k,
+            v,
+            forward_meta.kv_caches[self.layer_idx],
+            forward_meta.attn_metadata,
+            write_kv=write_kv,
         )
 
     def extra_repr(self) -> str:

@@ -109,16 +109,6 @@ class AttentionBackend(ABC):
         in place for this step's requests, padded to ``batch_size`` requests; returns it."""
         raise NotImplementedError(f"{self.name} cannot capture decode attention in a CUDA graph")
 
-    def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """Store ``k``/``v`` (``[T, num_kv_heads * head_dim]``) at ``slot_mapping`` (int64
-        ``[T]``, -1 skips a row) of ``kv_cache``, in place; on CUDA one Triton kernel that a CUDA
-        graph can capture (:func:`custom_ops.kv_cache_ops.write_kv_cache`)."""
-        from custom_ops.kv_cache_ops import write_kv_cache
-
-        write_kv_cache(k, v, kv_cache, slot_mapping)
-
     def segment_attention(
         self,
         q: torch.Tensor,
@@ -161,8 +151,8 @@ class AttentionBackend(ABC):
             metadata: what :meth:`build_metadata` returned for this step.
             out: optional ``[T, num_heads * head_dim]`` tensor to write the result into (piecewise
                 graphs pass the buffer the next segment was captured reading).
-            write_kv: False when this step's K/V are already in the cache (piecewise graphs
-                write them inside the segment before the attention, with :meth:`write_kv`).
+            write_kv: False when this step's K/V are already in the cache (the layer's RoPE
+                kernel stored them: ``ForwardMeta.kv_store``, and the piecewise segments).
 
         Returns:
             ``[T, num_heads * head_dim]``, causal attention over each request's cached and new
