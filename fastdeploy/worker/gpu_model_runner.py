@@ -194,7 +194,13 @@ class GPUModelRunner:
         if not inputs.sampling_reqs:
             return PendingOutput.ready({})
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # A decode step samples every row in order: a slice, no gather kernel.
+        num_sampling = len(inputs.sampling_reqs)
+        if inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs:
+            rows = hidden[:num_sampling]
+        else:
+            rows = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(rows, upcast=False)
         if not self.is_driver:
             return PendingOutput.ready({})
         reqs = [s.request for s in sched.scheduled if s.samples]

@@ -119,3 +119,24 @@ def test_sampler_random_rows_never_pick_a_masked_token():
     )
     out = Sampler()(logits, meta(64, temperature=1.0, processing=processing))
     assert (out.token_ids >= 5).all() and len(set(out.token_ids.tolist())) > 1
+
+
+def test_sampler_takes_model_dtype_logits():
+    """The runner passes the LM head's bf16 logits: a greedy step without processing or
+    logprobs takes their argmax as they are (the argmax of their exact float32 values, ties to
+    the first index), and a step that computes probabilities upcasts them first."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[3, 7] = logits[3, 250] = logits[3].max() + 1  # a tie
+    greedy = Sampler()(logits, meta(8))
+    assert greedy.token_ids.tolist() == logits.float().argmax(-1).tolist()
+    assert greedy.token_ids[3] == 7
+    with_logprobs = Sampler()(logits, meta(8, logprobs=1))
+    assert with_logprobs.token_ids.tolist() == greedy.token_ids.tolist()
+    assert with_logprobs.logprobs.dtype == torch.float32
+    torch.testing.assert_close(
+        with_logprobs.logprobs,
+        logits.float().log_softmax(-1).gather(1, greedy.token_ids[:, None])[:, 0],
+    )
+    sampled = Sampler()(logits, meta(8, temperature=1.0))
+    assert sampled.token_ids.dtype == torch.int64 and sampled.token_ids.shape == (8,)

@@ -85,9 +85,14 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from ``logits`` float32 ``[N, V]`` (not modified); returns token ids int64
-        ``[N]`` and, when asked, log-probabilities of the raw distribution (before temperature,
-        penalties, ``logit_bias`` and the ``min_tokens`` mask, as vLLM reports them)."""
+        """Sample from ``logits`` ``[N, V]`` (not modified; float32, or the model dtype: a step of
+        greedy rows without logits processing or logprobs takes the argmax of them as they are,
+        which equals the argmax of their exact float32 values, and the others are upcast);
+        returns token ids int64 ``[N]`` and, when asked, log-probabilities of the raw
+        distribution (before temperature, penalties, ``logit_bias`` and the ``min_tokens`` mask,
+        as vLLM reports them)."""
+        if meta.all_greedy and meta.processing is None and meta.max_num_logprobs is None:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         logits = logits.float()
         if meta.max_num_logprobs is not None:
             logp = logits.log_softmax(dim=-1)

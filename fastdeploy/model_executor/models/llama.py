@@ -376,9 +376,12 @@ class DecoderForCausalLM(HFWeightsMixin, nn.Module):
             hidden_states, residual = layer.post_attention(attn_output, residual)
         return self.final_norm(hidden_states, residual)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (the head runs in model dtype)."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (the head runs in model dtype);
+        ``upcast=False`` keeps the model dtype (the sampler upcasts only where it computes
+        probabilities: a greedy argmax is the same on either)."""
+        logits = self.lm_head(hidden_states)
+        return logits.float() if upcast else logits
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

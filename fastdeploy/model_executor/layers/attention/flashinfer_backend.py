@@ -32,6 +32,7 @@ import torch
 
 from custom_ops.kv_cache_ops import write_kv_cache
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
+from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
     WORKSPACE_BYTES,
     WORKSPACE_MARGIN_BYTES,
@@ -309,12 +310,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         the caches' memory)."""
         self._kv_views = {id(c): (c, tuple(c.unbind(1))) for c in kv_caches}
 
-    def _kv_pair(self, kv_cache: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The bound views of ``kv_cache``, or the tensor itself (flashinfer unbinds it) for a
-        cache that was not bound."""
-        entry = self._kv_views.get(id(kv_cache))
-        return entry[1] if entry is not None and entry[0] is kv_cache else kv_cache
-
     # ------------------------------------------------------------------ forward
     def segment_attention(
         self,
@@ -327,12 +322,27 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> Callable[[torch.Tensor], None]:
         """:meth:`forward` for every layer of one piecewise step, with the per-step work
         (head views, row checks, zeroing the padding rows of ``out``, which ``run`` never
-        writes) done once: per layer it is one flashinfer ``run`` on the bound cache views
-        (:meth:`bind_kv_caches`), after the K/V write when ``write_kv``.
+        writes, and flashinfer's argument building: :class:`LayerAttention`) done once: per
+        layer it is one kernel launch on the bound cache views (:meth:`bind_kv_caches`),
+        after the K/V write when ``write_kv``.
 
         Raises:
             ValueError: the metadata was planned for more tokens than ``q`` has rows.
         """
+        return self._attention(q, k, v, out, metadata, write_kv, LayerAttention)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        metadata: FlashInferMetadata,
+        write_kv: bool,
+        runner: Callable[[Any, torch.Tensor, torch.Tensor], Callable[[Any], None]],
+    ) -> Callable[[torch.Tensor], None]:
+        """The attention of one step as a function of a layer's cache (see
+        :meth:`segment_attention`); ``runner(wrapper, q3, o3)`` makes the per-layer call."""
         md = metadata
         rows, n = q.shape[0], md.num_tokens
         if n > rows:
@@ -341,16 +351,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             out[n:].zero_()
         q3 = q.view(rows, self.num_heads, self.head_dim)[:n]
         o3 = out.view(rows, self.num_heads, self.head_dim)[:n]
-        run, views, slots = md.wrapper.run if n else None, self._kv_views, md.slot_mapping
+        run = runner(md.wrapper, q3, o3) if n else None
+        views, slots = self._kv_views, md.slot_mapping
 
         def attend(kv_cache: torch.Tensor) -> None:
             if write_kv:
                 write_kv_cache(k, v, kv_cache, slots)
             if run is not None:
                 entry = views.get(id(kv_cache))
-                run(
-                    q3, entry[1] if entry is not None and entry[0] is kv_cache else kv_cache, out=o3
-                )
+                run(entry[1] if entry is not None and entry[0] is kv_cache else kv_cache)
 
         return attend
 
@@ -377,22 +386,20 @@ class FlashInferAttentionBackend(AttentionBackend):
             ``[T, num_heads * head_dim]`` (``out`` when given); rows past ``metadata.num_tokens``
             are zero. With graph decode metadata all ``T`` (= bucket) rows are computed and the
             padding requests' rows are not meaningful.
+
+        Raises:
+            ValueError: the metadata was planned for more tokens than ``q`` has rows.
         """
-        md = metadata
-        if write_kv:
-            write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        num_rows = q.shape[0]
         if out is None:
-            out = q.new_empty(num_rows, self.num_heads * self.head_dim)
-        n = md.num_tokens
-        if n > num_rows:
-            raise ValueError(f"metadata planned for {n} tokens, q has {num_rows} rows")
-        if n:
-            q3 = q.view(num_rows, self.num_heads, self.head_dim)
-            o3 = out.view(num_rows, self.num_heads, self.head_dim)
-            if n < num_rows:
-                q3, o3 = q3[:n], o3[:n]
-            md.wrapper.run(q3, self._kv_pair(kv_cache), out=o3)
-        if n < num_rows:
-            out[n:].zero_()
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        self._attention(q, k, v, out, metadata, write_kv, _plain_run)(kv_cache)
         return out
+
+
+def _plain_run(wrapper: Any, q: torch.Tensor, out: torch.Tensor) -> Callable[[Any], None]:
+    """``kv -> wrapper.run(q, kv, out=out)``: one call, nothing to record."""
+
+    def run(kv: Any) -> None:
+        wrapper.run(q, kv, out=out)
+
+    return run

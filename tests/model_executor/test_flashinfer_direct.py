@@ -1,0 +1,103 @@
+"""LayerAttention (the direct flashinfer launch for the layers after a step's first) with a fake
+wrapper on CPU: the first layer goes through ``run`` and every later layer replays the recorded
+kernel call with its own cache swapped in; anything unexpected falls back to ``run`` per layer.
+The real wrapper is compared on the GPU (tests/gpu/test_cuda_graphs_gpu.py: piecewise replay
+against the eager forward)."""
+
+import torch
+
+from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
+
+
+class FakeModule:
+    def __init__(self):
+        self.launches = []
+
+    def paged_run(self, workspace, q, k_cache, v_cache, out, mode):
+        self.launches.append((k_cache, v_cache))
+        out.copy_(q * k_cache.sum() + v_cache.sum() + mode)
+
+
+class FakeWrapper:
+    """Mimics flashinfer's run(): checks, then one positional call into ``_cached_module``."""
+
+    def __init__(self, module, calls_per_run=1, keyword=False):
+        self._cached_module = module
+        self.runs = 0
+        self.calls_per_run = calls_per_run
+        self.keyword = keyword
+        self.workspace = torch.zeros(1)
+
+    def run(self, q, kv, out):
+        self.runs += 1
+        k, v = kv if isinstance(kv, tuple) else kv.unbind(1)
+        for _ in range(self.calls_per_run):
+            if self.keyword:
+                self._cached_module.paged_run(self.workspace, q, k, v, out, mode=1)
+            else:
+                self._cached_module.paged_run(self.workspace, q, k, v, out, 1)
+        return out
+
+
+def layers(n=4):
+    return [(torch.full((2, 3), float(i)), torch.full((2, 3), 10.0 * i)) for i in range(n)]
+
+
+def expected(q, kv):
+    return q * kv[0].sum() + kv[1].sum() + 1
+
+
+def test_first_layer_runs_then_later_layers_launch_directly():
+    module = FakeModule()
+    wrapper = FakeWrapper(module)
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    caches = layers()
+    for kv in caches:
+        attend(kv)
+        torch.testing.assert_close(out, expected(q, kv))
+    assert wrapper.runs == 1  # only the first layer went through run()
+    # every layer launched the kernel once, on its own cache tensors
+    assert [(a is k, b is v) for (a, b), (k, v) in zip(module.launches, caches)] == [(1, 1)] * 4
+    assert wrapper._cached_module is module  # the recorder was taken out again
+
+
+def test_unusual_wrappers_fall_back_to_run_every_layer():
+    for wrapper in (
+        FakeWrapper(FakeModule(), calls_per_run=2),  # two kernel calls per run
+        FakeWrapper(FakeModule(), keyword=True),  # keyword arguments
+    ):
+        q, out = torch.randn(2, 3), torch.empty(2, 3)
+        attend = LayerAttention(wrapper, q, out)
+        for kv in layers():
+            attend(kv)
+            torch.testing.assert_close(out, expected(q, kv))
+        assert wrapper.runs == 4
+
+
+def test_a_cache_tensor_not_split_into_views_goes_through_run():
+    wrapper = FakeWrapper(FakeModule())
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    for k, v in layers(3):
+        cache = torch.stack((k, v), dim=1)  # one tensor: run() unbinds it into new views
+        attend(cache)
+        torch.testing.assert_close(out, expected(q, (k, v)))
+    assert wrapper.runs == 3
+
+
+def test_a_wrapper_without_compiled_module_runs_every_layer():
+    wrapper = FakeWrapper(FakeModule())
+    module = wrapper._cached_module
+    del wrapper._cached_module
+
+    def run(q, kv, out):
+        wrapper.runs += 1
+        module.paged_run(wrapper.workspace, q, kv[0], kv[1], out, 1)
+
+    wrapper.run = run
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    for kv in layers(3):
+        attend(kv)
+    assert wrapper.runs == 3
