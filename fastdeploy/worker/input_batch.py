@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastdeploy.core.host_staging import StagingSets
 from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
-from fastdeploy.worker.host_staging import StagingSets
 from fastdeploy.worker.step_gather import (
     fill_block_tables,
     gather_step,
@@ -73,7 +73,7 @@ class LastSampled:
 
 class InputBuffers:
     """Owner of the runner's persistent input tensors and of the pinned host buffers they are
-    filled through (:class:`~fastdeploy.worker.host_staging.StagingSets`: every copy is
+    filled through (:class:`~fastdeploy.core.host_staging.StagingSets`: every copy is
     non-blocking, none waits for the device).
 
     Args:

@@ -7,7 +7,7 @@ slot while it waits to be re-admitted, so a preempted request continues exactly 
 stopped. Parameters are written once, when the slot is taken: the new slots of a step are
 written together, through pinned memory and device scatters. Each step only copies the row ->
 slot indices and the ``min_tokens`` flags to the device, through persistent pinned buffers
-(:class:`~fastdeploy.worker.host_staging.StagingSets`), and gathers rows (fixed addresses and
+(:class:`~fastdeploy.core.host_staging.StagingSets`), and gathers rows (fixed addresses and
 shapes, no loop over the vocabulary), so the logits processing can later run inside a decode
 CUDA graph; a step whose rows are the previous step's slots (a steady decode batch) copies only
 flags that changed and reuses the gathered temperature, top-p and top-k. Nothing here waits for
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastdeploy.core.host_staging import StagingSets, to_device_async
 from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from fastdeploy.model_executor.layers.logits_processor import LogitsProcessingMetadata
 from fastdeploy.model_executor.layers.sampler import SamplingMetadata
-from fastdeploy.worker.host_staging import StagingSets, to_device_async
 
 #: Columns of :attr:`SamplingBuffers.params` and the ``SamplingParams`` field of each.
 _PARAM_COLUMNS = ("temperature", "top_p", "repetition", "frequency", "presence")

@@ -43,14 +43,15 @@ class PagedKVLayout:
         kv_indptr: int32 CPU ``[R + 1]``, cumulative page counts.
         kv_last_page_len: int32 CPU ``[R]``, tokens in each request's last page (1..block_size;
             1 for padding requests, which have no pages).
-        page_rows: int64 numpy ``[kv_indptr[-1]]``, for every page the flat index
-            ``request * table_width + page`` into the row-major block table.
+        page_rows: int64 ``[kv_indptr[-1]]``, for every page the flat index
+            ``request * table_width + page`` into the row-major block table (a numpy array
+            from :func:`paged_kv_layout`; the backend moves all four into pinned CPU tensors).
     """
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
-    page_rows: np.ndarray
+    page_rows: np.ndarray | torch.Tensor
 
 
 def paged_kv_layout(
