@@ -38,6 +38,10 @@ class StagingSets:
         self._events: list[torch.cuda.Event | None] = [None] * num_sets
         self._index = 0
 
+    def capacity(self, name: str) -> int:
+        """Elements of buffer ``name`` in each set."""
+        return self._sets[0][name].numel()
+
     def next(self) -> dict[str, torch.Tensor]:
         """The set to fill for the next copies: the other one than last time, once the copies
         that last read it have run (see the module docstring)."""

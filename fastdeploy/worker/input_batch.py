@@ -204,6 +204,7 @@ class InputBuffers:
             is_decode_only=decode_only,
             query_lens_host=query_lens_host,
             seq_lens_host=step.seq_lens,
+            block_tables_host=tables[:num_reqs],
         )
         return StepInputs(
             input_ids=self.input_ids[:padded],

@@ -301,3 +301,105 @@ def test_decode_cuda_graph_replay_after_replan_equals_eager(shape):
     other = build_step(cache, [1] * bucket, [1] * bucket, shape, pool)
     with pytest.raises(RuntimeError, match="slot_mapping"):
         backend.plan_graph_decode(meta, other.batch, bucket)
+
+
+def next_decode_step(prev: Step, shape, pool, slot_buf) -> Step:
+    """The decode step after ``prev``: every request adds one token (a new block from ``pool``
+    when its last one is full); the batch carries its host block table."""
+    hq, hkv, d = shape
+    n = len(prev.seq_lens)
+    blocks = [list(b) for b in prev.blocks]
+    tables = torch.zeros(n, TABLE_WIDTH, dtype=torch.int32)
+    slots = []
+    for i, pos in enumerate(prev.seq_lens):  # the new token's position
+        if pos % BLOCK == 0:
+            blocks[i].append(pool.pop())
+        tables[i, : len(blocks[i])] = torch.tensor(blocks[i])
+        slots.append(blocks[i][pos // BLOCK] * BLOCK + pos % BLOCK)
+    slot_buf.fill_(-1)
+    slot_buf[:n].copy_(torch.tensor(slots))
+    seq_lens = [s + 1 for s in prev.seq_lens]
+    rows = slot_buf.shape[0]
+    batch = AttentionBatch(
+        num_reqs=n,
+        num_tokens=n,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        slot_mapping=slot_buf,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        is_decode_only=True,
+        query_lens_host=[1] * n,
+        seq_lens_host=seq_lens,
+        block_tables_host=tables.numpy(),
+    )
+    q = torch.randn(rows, hq * d, device=DEVICE).to(DTYPE)
+    k = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
+    v = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
+    return Step(batch, q, k, v, blocks, [1] * n, seq_lens)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_graph_replans_only_when_pages_change(shape):
+    """Successive decode steps of the same requests on the same pages reuse the bucket's plan
+    (CUDA-core decode: only each last page's length is copied) and still equal the reference;
+    a step that opens a new page, or another bucket planned in between, plans again."""
+    torch.manual_seed(5)
+    hq, hkv, d = shape
+    bucket, n = 4, 3
+    backend = make_backend(shape)
+    cache = new_cache(backend)
+    pool = block_pool(5)
+    bufs = [torch.zeros(bucket, w * d, dtype=DTYPE, device=DEVICE) for w in (hq, hkv, hkv, hq)]
+    q_buf, k_buf, v_buf, out_buf = bufs
+    slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
+    dummy = build_step(cache, [1] * bucket, [1] * bucket, shape, pool, slot_buf=slot_buf)
+    meta = backend.make_graph_decode_metadata(bucket)
+    backend.plan_graph_decode(meta, dummy.batch, bucket)
+    backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
+    plans = []
+    real_plan = meta.wrapper.plan
+    meta.wrapper.plan = lambda *a, **kw: (plans.append(1), real_plan(*a, **kw))[1]
+
+    # Lengths 13, 20, 40 after the first step: the next steps fill their pages until the
+    # first request's 17th token opens one (step 4).
+    step = build_step(
+        cache, [12, 19, 39], [1] * n, shape, pool, pad_rows=bucket - n, slot_buf=slot_buf
+    )
+    step.batch.block_tables_host = step.batch.block_tables.cpu().numpy()
+    counts = []
+    for i in range(6):
+        q_buf.copy_(step.q)
+        k_buf.copy_(step.k)
+        v_buf.copy_(step.v)
+        backend.plan_graph_decode(meta, step.batch, bucket)
+        counts.append(len(plans))
+        graph.replay()
+        got = out_buf[:n].clone()
+        assert max_diff(got, reference_attention(step, cache, shape)) < TOL, i
+        assert_cache_clean(cache)
+        step = next_decode_step(step, shape, pool, slot_buf)
+    # plans: step 0 plans; steps 1-3 (same pages) reuse it on the CUDA-core path; step 4
+    # opens a page; step 5 reuses again. The tensor-core schedule depends on token counts.
+    if backend.use_tensor_cores:
+        assert counts == [1, 2, 3, 4, 5, 6], counts
+    else:
+        assert counts == [1, 1, 1, 1, 2, 2], counts
+    # Another bucket planned in between: the shared buffers hold its plan, so this one replans.
+    other = backend.make_graph_decode_metadata(2)
+    other_slots = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
+    other_step = build_step(cache, [3, 4], [1, 1], shape, pool, slot_buf=other_slots)
+    backend.plan_graph_decode(other, other_step.batch, 2)
+    before = len(plans)
+    q_buf.copy_(step.q)
+    k_buf.copy_(step.k)
+    v_buf.copy_(step.v)
+    backend.plan_graph_decode(meta, step.batch, bucket)
+    assert len(plans) == before + 1
+    graph.replay()
+    assert max_diff(out_buf[:n], reference_attention(step, cache, shape)) < TOL

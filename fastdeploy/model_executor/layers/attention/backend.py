@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -35,6 +36,9 @@ class AttentionBatch:
         is_decode_only: every request adds exactly one token.
         query_lens_host / seq_lens_host: the same lengths as Python lists, for planning
             without a device sync.
+        block_tables_host: optional int32 numpy ``[num_reqs, max_blocks_per_seq]``, the same
+            block table on the host (the runner's pinned copy, valid while the step is being
+            prepared): a backend can then read page ids without a device gather.
     """
 
     num_reqs: int
@@ -48,6 +52,7 @@ class AttentionBatch:
     is_decode_only: bool
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    block_tables_host: np.ndarray | None = None
 
 
 class AttentionBackend(ABC):

@@ -27,11 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from custom_ops.kv_cache_ops import write_kv_cache
-from fastdeploy.core.host_staging import StagingSets
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
@@ -40,6 +38,10 @@ from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # no
     PagedKVLayout,
     float_workspace_bytes,
     paged_kv_layout,
+)
+from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
+    PlanStaging,
+    host_page_ids,
 )
 
 #: Int workspace (the plan's schedule) shared by the CUDA-graph decode wrappers; flashinfer's size.
@@ -148,16 +150,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_kv_indices = torch.zeros(max_num_blocks, dtype=torch.int32, device=dev)
         self._graph_kv_last_page_len = torch.ones(max_num_reqs, dtype=torch.int32, device=dev)
         self._plan_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _plan
-        # Pinned homes of each plan's host arrays (see _stage).
-        self._staging = StagingSets(
-            {
-                "qo_indptr": ((max_num_reqs + 1,), torch.int32),
-                "kv_indptr": ((max_num_reqs + 1,), torch.int32),
-                "kv_last_page_len": ((max_num_reqs,), torch.int32),
-                "page_rows": ((max_num_blocks,), torch.int64),
-            },
-            dev,
-        )
+        self._staging = PlanStaging(max_num_reqs, max_num_blocks, dev)
+        # (wrapper, kv_indptr bytes, page id bytes) of the last graph decode plan; see
+        # plan_graph_decode.
+        self._graph_plan_key: tuple | None = None
         self._kv_views: dict[int, tuple] = {}  # see bind_kv_caches
 
     # ------------------------------------------------------------------ planning
@@ -173,15 +169,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         """
         if batch.num_reqs == 0:
             return FlashInferMetadata(None, 0, batch.slot_mapping)
-        layout = self._stage(
-            paged_kv_layout(
-                batch.query_lens_host,
-                batch.seq_lens_host,
-                self.block_size,
-                batch.block_tables.shape[1],
-            )
+        layout = paged_kv_layout(
+            batch.query_lens_host, batch.seq_lens_host, self.block_size, batch.block_tables.shape[1]
         )
-        indices = self._page_indices(batch.block_tables, layout.page_rows)
+        layout, indices = self._staging.stage(layout, batch, host_page_ids(batch, layout))
         if batch.is_decode_only:
             wrapper = self.decode_wrapper
             self._plan_decode(wrapper, layout, indices)
@@ -193,7 +184,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 *shape, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
                 kv_data_type=self.dtype,
             )  # fmt: skip
-        self._staging.copies_queued()
+        self._staging.queued()
         return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
 
     def make_graph_decode_metadata(self, batch_size: int) -> FlashInferMetadata:
@@ -272,24 +263,34 @@ class FlashInferAttentionBackend(AttentionBackend):
                 "the step's slot_mapping is not the buffer the graph was captured "
                 "with; copy slots into the runner's persistent buffer"
             )
-        layout = self._stage(
-            paged_kv_layout(
-                batch.query_lens_host,
-                batch.seq_lens_host,
-                self.block_size,
-                batch.block_tables.shape[1],
-                batch_size - batch.num_reqs,
-            )
+        layout = paged_kv_layout(
+            batch.query_lens_host,
+            batch.seq_lens_host,
+            self.block_size,
+            batch.block_tables.shape[1],
+            batch_size - batch.num_reqs,
         )
         if len(layout.page_rows) > self.max_num_blocks:
             raise ValueError(
                 f"step needs {len(layout.page_rows)} pages, more than "
                 f"max_num_blocks={self.max_num_blocks}"
             )
-        self._plan_decode(
-            md.wrapper, layout, self._page_indices(batch.block_tables, layout.page_rows)
-        )
-        self._staging.copies_queued()
+        page_ids = host_page_ids(batch, layout)
+        key = None
+        if page_ids is not None and not self.use_tensor_cores:
+            key = (md.wrapper, layout.kv_indptr.numpy().tobytes(), page_ids.tobytes())
+            if key == self._graph_plan_key:
+                # The same requests on the same pages as this bucket's plan, which was the last
+                # one written to the shared graph buffers: the CUDA-core decode schedule depends
+                # on the page counts only (flashinfer's plan reads kv_indptr alone), so only the
+                # tokens in each last page changed.
+                self._staging.copy_last_page_len(layout, self._graph_kv_last_page_len[:batch_size])
+                self._staging.queued()
+                return md
+        layout, indices = self._staging.stage(layout, batch, page_ids)
+        self._plan_decode(md.wrapper, layout, indices)
+        self._staging.queued()
+        self._graph_plan_key = key
         return md
 
     def _plan_decode(self, wrapper: Any, layout: PagedKVLayout, indices: torch.Tensor) -> None:
@@ -312,49 +313,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             done.synchronize()
         wrapper.plan(*args, **kwargs)
         done.record()
-
-    def _stage(self, layout: PagedKVLayout) -> PagedKVLayout:
-        """``layout`` with its arrays moved into the next pinned set, so that the plan's
-        host-to-device copies (flashinfer copies ``kv_indptr`` and ``kv_last_page_len``, and the
-        page rows go to :meth:`_page_indices`) are truly asynchronous: a copy from pageable
-        memory is staged by the driver, which can wait for the stream, i.e. for the step the
-        GPU is still running under the overlap schedule. The caller marks the set's copies
-        queued once it planned (:class:`~fastdeploy.core.host_staging.StagingSets`: a set is
-        refilled only after the copies of the plan two back ran). A layout larger than the sets
-        (never in the engine: they hold ``max_num_reqs`` requests and ``max_num_blocks`` pages)
-        stays where it is."""
-        if not self._staging.is_async:
-            return layout
-        sizes = {
-            "qo_indptr": layout.qo_indptr.numel(),
-            "kv_indptr": layout.kv_indptr.numel(),
-            "kv_last_page_len": layout.kv_last_page_len.numel(),
-            "page_rows": len(layout.page_rows),
-        }
-        staged = self._staging.next()
-        if any(n > staged[name].numel() for name, n in sizes.items()):
-            return layout
-        out = {name: staged[name][:n] for name, n in sizes.items()}
-        out["qo_indptr"].copy_(layout.qo_indptr)
-        out["kv_indptr"].copy_(layout.kv_indptr)
-        out["kv_last_page_len"].copy_(layout.kv_last_page_len)
-        out["page_rows"].numpy()[:] = layout.page_rows
-        return PagedKVLayout(
-            out["qo_indptr"], out["kv_indptr"], out["kv_last_page_len"], out["page_rows"]
-        )
-
-    def _page_indices(
-        self, block_tables: torch.Tensor, page_rows: np.ndarray | torch.Tensor
-    ) -> torch.Tensor:
-        """int32 ``[num_pages]`` block ids on the device, gathered from the block table (a device
-        gather for a device table: no device-to-host copy); ``page_rows`` a numpy array or a
-        CPU tensor (pinned by :meth:`_stage`)."""
-        table = block_tables.reshape(-1)
-        rows = torch.as_tensor(page_rows)
-        if table.device.type == "cpu":
-            return table.index_select(0, rows).to(device=self.device, dtype=torch.int32)
-        rows = rows.to(table.device, non_blocking=True)
-        return table.index_select(0, rows).to(torch.int32)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Keep ``(k_cache, v_cache)`` views of each layer's cache, made once: flashinfer

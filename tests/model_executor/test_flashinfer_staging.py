@@ -1,0 +1,56 @@
+"""PlanStaging on CPU: the page ids read from the host block table equal the device-side gather
+they replace, for any layout (padding requests, partial last pages). The pinned, double-buffered
+path runs on CUDA (tests/gpu/test_attention_gpu.py)."""
+
+import numpy as np
+import torch
+
+from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
+from fastdeploy.model_executor.layers.attention.flashinfer_layout import paged_kv_layout
+from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
+    PlanStaging,
+    host_page_ids,
+)
+
+BLOCK, WIDTH = 4, 6
+
+
+def batch_of(seq_lens, with_host=True):
+    g = torch.Generator().manual_seed(0)
+    n = len(seq_lens)
+    tables = torch.randint(1, 100, (n, WIDTH), generator=g, dtype=torch.int32)
+    return AttentionBatch(
+        num_reqs=n,
+        num_tokens=n,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        is_decode_only=True,
+        query_lens_host=[1] * n,
+        seq_lens_host=list(seq_lens),
+        block_tables_host=tables.numpy() if with_host else None,
+    )
+
+
+def test_host_page_ids_equal_the_device_gather():
+    staging = PlanStaging(8, 64, torch.device("cpu"))
+    for seq_lens, padding in (([1, 4, 5, 23], 0), ([9], 3), ([24, 2], 2)):
+        batch = batch_of(seq_lens)
+        layout = paged_kv_layout([1] * len(seq_lens), seq_lens, BLOCK, WIDTH, padding)
+        ids = host_page_ids(batch, layout)
+        assert ids.dtype == np.int32
+        want = [int(batch.block_tables[r, p]) for r, s in enumerate(seq_lens) for p in
+                range(-(-s // BLOCK))]  # fmt: skip
+        assert ids.tolist() == want
+        _, from_host = staging.stage(layout, batch, ids)
+        _, gathered = staging.stage(layout, batch_of(seq_lens, with_host=False), None)
+        assert from_host.dtype == gathered.dtype == torch.int32
+        assert from_host.tolist() == gathered.tolist() == want
+
+
+def test_no_host_table_means_no_host_ids():
+    batch = batch_of([3, 7], with_host=False)
+    assert host_page_ids(batch, paged_kv_layout([1, 1], [3, 7], BLOCK, WIDTH)) is None
