@@ -2,12 +2,14 @@
 
 A step's host data (token ids, positions, block tables, sampling rows, ...) is written into a
 pinned host buffer and copied with ``non_blocking=True``: the copy is queued on the stream and
-the host goes on at once. The host must then not overwrite that buffer before the copy ran. Under
-the overlap schedule the host prepares step N+1 while the device may not have reached step N's
-copies yet, so each owner keeps two sets and alternates; a set is reused only after the copies of
-the step two back, which the host has always waited for by then (it waited for that step's
-sampled tokens, and the copies come before them in the stream). An event per set checks it: if
-its copies have not run, the host waits for them (never in the engine's step loop).
+the host goes on at once (from pageable memory the driver stages the copy itself and can wait for
+the stream). The host must then not overwrite that buffer before the copy ran. Under the overlap
+schedule the host prepares step N+1 while the device may not have reached step N's copies yet,
+so each owner keeps two sets and alternates: a set is refilled only after the copies that last
+read it (two fills back) ran, which an event per set checks, waiting if they have not. In the
+engine's step loop with sampled tokens the host has already waited for that step, whose copies
+come earlier in the stream, so the check costs nothing; a rank other than 0 under tensor
+parallelism, steps without sampled rows and capture loops can wait there.
 
 On CPU there is one set and no event: a copy is done when ``copy_`` returns.
 """

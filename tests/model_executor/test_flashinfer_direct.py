@@ -101,3 +101,35 @@ def test_a_wrapper_without_compiled_module_runs_every_layer():
     for kv in layers(3):
         attend(kv)
     assert wrapper.runs == 3
+
+
+def test_a_cache_with_other_strides_goes_through_run():
+    wrapper = FakeWrapper(FakeModule())
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    k0, v0 = layers(1)[0]
+    attend((k0, v0))
+    k1 = torch.full((3, 2), 2.0).t()  # same shape, transposed strides
+    attend((k1, v0))
+    torch.testing.assert_close(out, expected(q, (k1, v0)))
+    assert wrapper.runs == 2
+
+
+def test_the_pair_itself_is_swapped_where_run_passes_it():
+    class PairModule(FakeModule):
+        def paged_run(self, workspace, q, k_cache, v_cache, out, mode, pair):
+            assert pair[0] is k_cache and pair[1] is v_cache
+            super().paged_run(workspace, q, k_cache, v_cache, out, mode)
+
+    class PairWrapper(FakeWrapper):
+        def run(self, q, kv, out):
+            self.runs += 1
+            self._cached_module.paged_run(self.workspace, q, kv[0], kv[1], out, 1, kv)
+
+    wrapper = PairWrapper(PairModule())
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    for kv in layers():
+        attend(kv)
+        torch.testing.assert_close(out, expected(q, kv))
+    assert wrapper.runs == 1

@@ -182,7 +182,13 @@ class RotaryEmbedding(nn.Module):
         Returns:
             ``(q, k)`` rotated, as :meth:`forward`.
         """
-        if use_flashinfer(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        if (
+            use_flashinfer(q)
+            and self.cos_sin_cache.dtype == torch.float32
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and v.stride(-1) == 1
+        ):
             from custom_ops.rope_kv_ops import rope_and_write_kv_triton
 
             return rope_and_write_kv_triton(

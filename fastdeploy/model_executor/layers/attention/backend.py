@@ -37,8 +37,9 @@ class AttentionBatch:
         query_lens_host / seq_lens_host: the same lengths as Python lists, for planning
             without a device sync.
         block_tables_host: optional int32 numpy ``[num_reqs, max_blocks_per_seq]``, the same
-            block table on the host (the runner's pinned copy, valid while the step is being
-            prepared): a backend can then read page ids without a device gather.
+            block table on the host (a view of the runner's pinned set, valid until the second
+            ``InputBuffers.prepare`` after this step's): a backend can then read page ids
+            without a device gather.
     """
 
     num_reqs: int

@@ -219,6 +219,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # One int workspace for all buckets instead of 8 MiB each; safe because a replay always
         # follows its own bucket's plan on the same stream.
         wrapper.reset_workspace_buffer(self.workspace, self._int_workspace)
+        self._graph_plan_key = None
         return FlashInferMetadata(wrapper, batch_size, None, graph_batch_size=batch_size)
 
     def plan_graph_decode(
@@ -232,6 +233,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         and the split-KV schedule into the shared int workspace. The step's requests are padded
         to ``batch_size`` with empty requests (their output rows are not meaningful; the runner
         slices them off).
+
+        On the CUDA-core decode path (``use_tensor_cores`` False), when the batch carries its
+        host block table and this bucket's previous plan was the last graph plan and had the
+        same ``kv_indptr`` and page ids (the same requests on the same pages, as for most steps
+        of a steady batch), flashinfer's ``plan()`` is skipped and only ``kv_last_page_len`` is
+        copied: that path's schedule is computed from ``kv_indptr`` alone. The tensor-core path
+        schedules by token counts and plans every step.
 
         Args:
             graph_metadata: from :meth:`make_graph_decode_metadata` for ``batch_size``.
@@ -287,6 +295,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._staging.copy_last_page_len(layout, self._graph_kv_last_page_len[:batch_size])
                 self._staging.queued()
                 return md
+        # Forgotten first: flashinfer's plan writes the shared buffers before it can fail.
+        self._graph_plan_key = None
         layout, indices = self._staging.stage(layout, batch, page_ids)
         self._plan_decode(md.wrapper, layout, indices)
         self._staging.queued()
@@ -320,6 +330,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         layer on the eager path between piecewise segments. ``[]`` drops them (the views hold
         the caches' memory)."""
         self._kv_views = {id(c): (c, tuple(c.unbind(1))) for c in kv_caches}
+        if not kv_caches:  # the engine releases its graphs with its caches
+            self._graph_plan_key = None
 
     # ------------------------------------------------------------------ forward
     def segment_attention(

@@ -14,7 +14,10 @@ arguments); a GPU test compares them.
 This reads two private attributes of flashinfer's wrappers (``_cached_module``, whose method
 ``run`` calls, and the positional arguments it passes). Where they do not look as expected (no
 such module, ``run`` makes other than one call into it, or the cache tensors are not among the
-arguments exactly once), every layer simply calls ``run``.
+arguments exactly once), every layer simply calls ``run``; so does a layer whose cache strides
+differ from the first layer's (``run`` can do stride-dependent work outside the recorded call:
+the fa3 prefill backend converts the page indices first). Where ``run`` passes the ``(k, v)``
+pair itself too (the tensor-core decode path does), the layer's pair is swapped in as well.
 """
 
 from __future__ import annotations
@@ -68,12 +71,20 @@ class LayerAttention:
         self._launch: Callable[..., Any] | None = None
         self._args: list[Any] | None = None
         self._slots: tuple[int, int] = (-1, -1)
+        self._pair_slots: list[int] = []  # where the (k, v) tuple itself was passed
+        self._strides: tuple = ()
         self._recorded = False
 
     def __call__(self, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
-        if self._args is not None and isinstance(kv, tuple):
+        if (
+            self._args is not None
+            and isinstance(kv, tuple)
+            and (kv[0].stride(), kv[1].stride()) == self._strides
+        ):
             args = self._args
             args[self._slots[0]], args[self._slots[1]] = kv
+            for i in self._pair_slots:
+                args[i] = kv
             self._launch(*args)
         elif self._recorded or not isinstance(kv, tuple):
             self.wrapper.run(self.q, kv, out=self.out)
@@ -100,3 +111,7 @@ class LayerAttention:
         v_at = [i for i, a in enumerate(args) if a is kv[1]]
         if len(k_at) == 1 and len(v_at) == 1:
             self._launch, self._args, self._slots = launch, args, (k_at[0], v_at[0])
+            self._pair_slots = [i for i, a in enumerate(args) if a is kv]
+            # Work run() does outside the recorded call (fa3's index conversion) depends on
+            # the cache strides: a layer whose cache is laid out differently goes through run().
+            self._strides = (kv[0].stride(), kv[1].stride())

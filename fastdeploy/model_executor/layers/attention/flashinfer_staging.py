@@ -8,6 +8,10 @@ finishes the step. :class:`PlanStaging` keeps two pinned sets of these arrays
 (:class:`~fastdeploy.core.host_staging.StagingSets`: a set is refilled only after the copies of
 the plan two back ran) and reads the page ids from the runner's host block table, so one copy
 replaces the device gather (an index upload, a gather and a cast kernel).
+
+Not covered: copies flashinfer 0.5.3 makes from arrays it builds itself, in pageable memory: the
+prefill plan's ``kv_lens_arr_host`` (unless ``seq_lens`` is passed to ``plan``) and the
+non-graph decode plan's ``qo_indptr`` range. The graph decode plan has none.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ def host_page_ids(batch: AttentionBatch, layout: PagedKVLayout) -> np.ndarray | 
     table = batch.block_tables_host
     if table is None:
         return None
+    if table.shape != tuple(batch.block_tables.shape):
+        raise ValueError(
+            f"block_tables_host {table.shape} differs from block_tables "
+            f"{tuple(batch.block_tables.shape)}"
+        )
     return table.reshape(-1)[np.asarray(layout.page_rows)].astype(np.int32, copy=False)
 
 
