@@ -119,7 +119,12 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
         if own:
             state["client"] = httpx.AsyncClient(timeout=None)
         poller = asyncio.create_task(
-            poll_health(list(pools.values()), state["client"], config.health_interval_s)
+            poll_health(
+                list(pools.values()),
+                state["client"],
+                config.health_interval_s,
+                config.health_failure_threshold,
+            )
         )
         try:
             yield

@@ -41,6 +41,12 @@ def make_router_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         help="seconds between health polls of every server (default: 2)",
     )
     parser.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=3,
+        help="failed health polls in a row that mark a server unhealthy (default: 3)",
+    )
+    parser.add_argument(
         "--prefill-timeout-s", type=float, default=300.0, help="limit of the prefill leg"
     )
     parser.add_argument(
@@ -76,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         backend=args.backend,
         policy=args.policy,
         health_interval_s=args.health_interval_s,
+        health_failure_threshold=args.health_failure_threshold,
         prefill_timeout_s=args.prefill_timeout_s,
         decode_timeout_s=args.decode_timeout_s,
         prefill_retries=args.prefill_retries,

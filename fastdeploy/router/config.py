@@ -37,7 +37,12 @@ class RouterConfig:
         prefill / decode / backend: server base URLs (``http://host:port``).
         policy: ``round_robin`` or ``least_outstanding`` (fewest requests in flight through this
             router; ties go to the first).
-        health_interval_s: seconds between ``GET /health`` polls of every backend.
+        health_interval_s: seconds between ``GET /health`` polls of every backend (also the
+            limit of one poll).
+        health_failure_threshold: failed polls in a row that mark a backend unhealthy (one
+            success marks it healthy again); SGLang's router has the same setting, default 3.
+            A slow ``/health`` under load then does not eject a working server; a refused
+            connection (a poll's or a request's) still marks it unhealthy at once.
         prefill_timeout_s: limit of the prefill leg (seconds).
         decode_timeout_s: limit between two bytes of the decode leg, or of a plain request.
         prefill_retries: further tries of the prefill leg after a connection error or a 503,
@@ -50,6 +55,7 @@ class RouterConfig:
     backend: list[str] = field(default_factory=list)
     policy: str = "round_robin"
     health_interval_s: float = 2.0
+    health_failure_threshold: int = 3
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 300.0
     prefill_retries: int = 2
@@ -78,6 +84,14 @@ class RouterConfig:
         for name in ("health_interval_s", "prefill_timeout_s", "decode_timeout_s"):
             value = getattr(self, name)
             check(is_number(value) and value > 0, name, value, "a number of seconds > 0")
+        check(
+            isinstance(self.health_failure_threshold, int)
+            and not isinstance(self.health_failure_threshold, bool)
+            and self.health_failure_threshold >= 1,
+            "health_failure_threshold",
+            self.health_failure_threshold,
+            "an integer >= 1",
+        )
         check(
             isinstance(self.prefill_retries, int)
             and not isinstance(self.prefill_retries, bool)

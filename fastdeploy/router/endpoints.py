@@ -23,14 +23,17 @@ class Endpoint:
     Attributes:
         url: base URL, no trailing slash.
         role: ``prefill``, ``decode`` or ``backend``.
-        healthy: the last ``GET /health`` (or request) succeeded; True until one fails.
+        healthy: False once ``health_failure_threshold`` polls in a row failed (or a request
+            could not connect); True again after a successful poll. True at start.
         outstanding: requests in flight through this router.
+        failed_polls: health polls failed in a row.
     """
 
     url: str
     role: str
     healthy: bool = True
     outstanding: int = 0
+    failed_polls: int = 0
 
 
 class EndpointPool:
@@ -80,10 +83,16 @@ class EndpointPool:
 
 
 async def poll_health(
-    pools: list[EndpointPool], client: httpx.AsyncClient, interval_s: float
+    pools: list[EndpointPool],
+    client: httpx.AsyncClient,
+    interval_s: float,
+    failure_threshold: int = 1,
 ) -> None:
     """Forever: ``GET /health`` on every endpoint each ``interval_s`` seconds; 200 marks it
-    healthy, anything else (or no answer within the interval) unhealthy. Cancel the task to stop.
+    healthy, anything else (or no answer within the interval) counts as a failed poll, and
+    ``failure_threshold`` failed polls in a row mark it unhealthy; a refused connection marks it
+    unhealthy at once (nothing listens there: the server is down, not slow). Cancel the task to
+    stop.
     """
     while True:
         endpoints = [e for pool in pools for e in pool.endpoints]
@@ -93,6 +102,19 @@ async def poll_health(
         )
         for endpoint, result in zip(endpoints, results):
             ok = isinstance(result, httpx.Response) and result.status_code == 200
+            endpoint.failed_polls = 0 if ok else endpoint.failed_polls + 1
+            if isinstance(result, httpx.ConnectError):  # nothing listens: down, not slow
+                endpoint.failed_polls = max(endpoint.failed_polls, failure_threshold)
+            if not ok and endpoint.healthy and endpoint.failed_polls < failure_threshold:
+                logger.info(
+                    "%s server %s failed a health poll (%s), %d of %d before it is unhealthy",
+                    endpoint.role,
+                    endpoint.url,
+                    _describe(result),
+                    endpoint.failed_polls,
+                    failure_threshold,
+                )
+                continue
             if ok != endpoint.healthy:
                 logger.warning(
                     "%s server %s is now %s",

@@ -55,6 +55,10 @@ def router(**config) -> object:
         ({"backend": ["ftp://a"]}, "backend='ftp://a' is invalid; allowed: an http://"),
         ({"backend": ["http://a:1"], "policy": "random"}, "policy='random' is invalid"),
         ({"backend": ["http://a:1"], "prefill_retries": -1}, "prefill_retries=-1 is invalid"),
+        (
+            {"backend": ["http://a:1"], "health_failure_threshold": 0},
+            "health_failure_threshold=0 is invalid",
+        ),
     ],
 )
 def test_config_errors_name_the_value(kwargs, message):
@@ -115,9 +119,33 @@ def test_plain_mode_round_robin_streaming_and_request_ids():
         assert metric(url, "fastdeploy:router_requests_total", outcome="ok") == 6
 
 
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_one_failed_health_poll_does_not_take_a_server_out():
+    """A /health that fails fewer than health_failure_threshold times in a row (a server slow
+    under load) leaves the server in; the threshold-th failure takes it out."""
+    a = fake_server("alpha")
+    with serve(a) as ua, router(backend=[ua], health_failure_threshold=3) as url:
+        a.state.healthy = False
+        time.sleep(0.3)  # one or two failed polls (0.2 s apart)
+        assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200
+        wait_for(lambda: httpx.get(url + "/health").status_code == 503)
+        a.state.healthy = True
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200)
+
+
 def test_health_polling_skips_a_down_backend_and_reports_503_when_all_are_down():
     a, b = fake_server("alpha"), fake_server("bravo")
-    with serve(a) as ua, serve(b) as ub, router(backend=[ua, ub]) as url:
+    with (
+        serve(a) as ua,
+        serve(b) as ub,
+        router(backend=[ua, ub], health_failure_threshold=1) as url,
+    ):
         b.state.healthy = False
         time.sleep(0.6)  # three polls
         texts = {
