@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from fastdeploy.config import check, is_number
+from fastdeploy.config import check, check_int, is_number
 
 POLICIES = ("round_robin", "least_outstanding")
 
@@ -84,22 +84,8 @@ class RouterConfig:
         for name in ("health_interval_s", "prefill_timeout_s", "decode_timeout_s"):
             value = getattr(self, name)
             check(is_number(value) and value > 0, name, value, "a number of seconds > 0")
-        check(
-            isinstance(self.health_failure_threshold, int)
-            and not isinstance(self.health_failure_threshold, bool)
-            and self.health_failure_threshold >= 1,
-            "health_failure_threshold",
-            self.health_failure_threshold,
-            "an integer >= 1",
-        )
-        check(
-            isinstance(self.prefill_retries, int)
-            and not isinstance(self.prefill_retries, bool)
-            and self.prefill_retries >= 0,
-            "prefill_retries",
-            self.prefill_retries,
-            "an integer >= 0",
-        )
+        check_int("health_failure_threshold", self.health_failure_threshold, minimum=1)
+        check_int("prefill_retries", self.prefill_retries, minimum=0)
 
     @property
     def is_pd(self) -> bool:

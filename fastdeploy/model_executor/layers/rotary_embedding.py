@@ -87,7 +87,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class _RotateThenStore(nn.Module):
+    """What both RoPE layouts share: :meth:`forward_and_store` as RoPE, then the KV write."""
+
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(positions, q, k)``, then the rotated ``k`` and ``v`` stored at
+        ``slot_mapping`` (int64 ``[>= T]``, negative for a padding row) of ``kv_cache``
+        (``[num_blocks, 2, block_size, KV, head_dim]``) with
+        :func:`custom_ops.kv_cache_ops.write_kv_cache`. Returns ``(q, k)`` rotated."""
+        q, k = self.forward(positions, q, k)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
+
+
+class RotaryEmbedding(_RotateThenStore):
     """Applies RoPE to queries and keys by position.
 
     Args:
@@ -170,18 +191,11 @@ class RotaryEmbedding(nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward`, then store the rotated ``k`` and ``v`` at ``slot_mapping`` (int64
-        ``[>= T]``, negative for a padding row) of ``kv_cache`` (``[num_blocks, 2, block_size,
-        KV, head_dim]``).
-
-        On CUDA with the fused ops on this is one Triton kernel
+        """:meth:`forward`, then the rotated ``k`` and ``v`` stored at their slots (arguments
+        as the base's). On CUDA with the fused ops on this is one Triton kernel
         (:func:`custom_ops.rope_kv_ops.rope_and_write_kv_triton`: ``q``/``k`` rotated in place,
         float32 cos/sin as flashinfer's RoPE) instead of the RoPE kernel plus the KV write;
-        elsewhere :meth:`forward` and :func:`custom_ops.kv_cache_ops.write_kv_cache`.
-
-        Returns:
-            ``(q, k)`` rotated, as :meth:`forward`.
-        """
+        elsewhere the base's two steps."""
         if (
             use_flashinfer(q)
             and self.cos_sin_cache.dtype == torch.float32
@@ -194,9 +208,7 @@ class RotaryEmbedding(nn.Module):
             return rope_and_write_kv_triton(
                 positions, q, k, v, self.head_dim, self.cos_sin_cache, kv_cache, slot_mapping
             )
-        q, k = self.forward(positions, q, k)
-        write_kv_cache(k, v, kv_cache, slot_mapping)
-        return q, k
+        return super().forward_and_store(positions, q, k, v, kv_cache, slot_mapping)
 
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -232,7 +244,7 @@ def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-class InterleavedRotaryEmbedding(nn.Module):
+class InterleavedRotaryEmbedding(_RotateThenStore):
     """RoPE over adjacent pairs ``(2i, 2i + 1)`` of each head, computed in float32 and cast back
     (ERNIE 4.5; ``transformers``' ``Ernie4_5RotaryEmbedding`` keeps cos/sin in float32 and
     rotates ``q.float()``).
@@ -273,22 +285,6 @@ class InterleavedRotaryEmbedding(nn.Module):
             return out.to(x.dtype).reshape(x.shape)
 
         return rotate(q), rotate(k)
-
-    def forward_and_store(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward`, then the rotated ``k`` and ``v`` stored at their slots
-        (:func:`custom_ops.kv_cache_ops.write_kv_cache`; not fused); as
-        :meth:`RotaryEmbedding.forward_and_store`."""
-        q, k = self.forward(positions, q, k)
-        write_kv_cache(k, v, kv_cache, slot_mapping)
-        return q, k
 
     def extra_repr(self) -> str:
         return (

@@ -76,8 +76,10 @@ class PlanStaging:
                 src = getattr(layout, name)
                 out[name] = staged[name][: src.numel()]
                 out[name].copy_(src)
-            rows = staged["page_rows"][: len(layout.page_rows)]
-            rows.numpy()[:] = layout.page_rows
+            rows = layout.page_rows
+            if page_ids is None:  # the rows are uploaded for the device gather
+                rows = staged["page_rows"][: len(layout.page_rows)]
+                rows.numpy()[:] = layout.page_rows
             layout = PagedKVLayout(
                 out["qo_indptr"], out["kv_indptr"], out["kv_last_page_len"], rows
             )
