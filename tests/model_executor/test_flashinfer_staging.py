@@ -54,3 +54,18 @@ def test_host_page_ids_equal_the_device_gather():
 def test_no_host_table_means_no_host_ids():
     batch = batch_of([3, 7], with_host=False)
     assert host_page_ids(batch, paged_kv_layout([1, 1], [3, 7], BLOCK, WIDTH)) is None
+
+
+def test_seq_lens_for_the_prefill_plan_equal_flashinfers_own():
+    """The KV lengths handed to the prefill plan equal what flashinfer derives from the layout
+    when none are given ((pages - 1) * page_size + last_page_len), partial last pages included."""
+    staging = PlanStaging(8, 64, torch.device("cpu"))
+    seq_lens = [1, 4, 5, 23]
+    batch = batch_of(seq_lens)
+    layout = paged_kv_layout([1] * 4, seq_lens, BLOCK, WIDTH)
+    layout, _ = staging.stage(layout, batch, host_page_ids(batch, layout))
+    got = staging.seq_lens(batch.seq_lens_host)
+    assert got.dtype == torch.int32
+    pages = layout.kv_indptr[1:] - layout.kv_indptr[:-1]
+    derived = (pages - 1) * BLOCK + layout.kv_last_page_len
+    assert got.tolist() == derived.tolist() == seq_lens

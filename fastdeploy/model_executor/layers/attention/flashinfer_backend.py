@@ -182,7 +182,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan(
                 wrapper, layout.qo_indptr, layout.kv_indptr, indices, layout.kv_last_page_len,
                 *shape, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                kv_data_type=self.dtype, seq_lens=self._staging.seq_lens(batch.seq_lens_host),
             )  # fmt: skip
         self._staging.queued()
         return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)

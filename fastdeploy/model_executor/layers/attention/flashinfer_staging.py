@@ -9,9 +9,10 @@ finishes the step. :class:`PlanStaging` keeps two pinned sets of these arrays
 the plan two back ran) and reads the page ids from the runner's host block table, so one copy
 replaces the device gather (an index upload, a gather and a cast kernel).
 
-Not covered: copies flashinfer 0.5.3 makes from arrays it builds itself, in pageable memory: the
-prefill plan's ``kv_lens_arr_host`` (unless ``seq_lens`` is passed to ``plan``) and the
-non-graph decode plan's ``qo_indptr`` range. The graph decode plan has none.
+The prefill plan also gets the KV length of each request (``seq_lens``) from a pinned set:
+without it flashinfer 0.5.3 derives ``kv_lens_arr_host`` itself, in pageable memory, and copies
+that. Not covered: the non-graph decode plan's ``qo_indptr`` range, which flashinfer builds itself.
+The graph decode plan has none.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class PlanStaging:
                 "kv_last_page_len": ((max_num_reqs,), torch.int32),
                 "page_ids": ((max_num_blocks,), torch.int32),
                 "page_rows": ((max_num_blocks,), torch.int64),
+                "seq_lens": ((max_num_reqs,), torch.int32),
             },
             device,
         )
+        self._current: dict[str, torch.Tensor] | None = None
 
     def stage(
         self, layout: PagedKVLayout, batch: AttentionBatch, page_ids: np.ndarray | None
@@ -69,8 +72,9 @@ class PlanStaging:
         larger than the sets (never in the engine) is copied from where it is. Call
         :meth:`queued` once the plan that reads them is done."""
         pinned = self._sets.is_async and self._fits(layout)
+        self._current = None
         if pinned:
-            staged = self._sets.next()
+            staged = self._current = self._sets.next()
             out = {}
             for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
                 src = getattr(layout, name)
@@ -90,6 +94,16 @@ class PlanStaging:
         elif page_ids is not None:
             return layout, torch.from_numpy(page_ids).to(self.device, non_blocking=True)
         return layout, self._gather(batch.block_tables, layout.page_rows)
+
+    def seq_lens(self, seq_lens: list[int]) -> torch.Tensor:
+        """int32 ``[num_reqs]`` KV length of each request of the layout just staged, in that
+        layout's pinned set (a plain CPU tensor when :meth:`stage` did not pin), for flashinfer's
+        prefill ``plan(seq_lens=...)``."""
+        if self._current is None or len(seq_lens) > self._sets.capacity("seq_lens"):
+            return torch.tensor(seq_lens, dtype=torch.int32)
+        out = self._current["seq_lens"][: len(seq_lens)]
+        out.numpy()[:] = seq_lens
+        return out
 
     def copy_last_page_len(self, layout: PagedKVLayout, dst: torch.Tensor) -> None:
         """Copy ``layout.kv_last_page_len`` into the device tensor ``dst`` through the next
