@@ -110,56 +110,107 @@ async def run_one(
     return result
 
 
-async def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], float, str]:
-    """Send every prompt (closed loop of ``concurrency`` clients, or open loop at
-    ``request_rate``); returns the results, the run's seconds and the model name."""
+async def drive(
+    args: argparse.Namespace,
+    model: str,
+    items: list[tuple[int, list[int], int]],
+    concurrency: int,
+    request_rate: float | None,
+    seed: int,
+    start_at: float | None = None,
+) -> tuple[dict[int, RequestResult], float, float]:
+    """Send ``items`` (index, prompt, max tokens): ``concurrency`` clients back to back, or
+    Poisson arrivals at ``request_rate``. Starts at ``time.time() == start_at`` when given.
+    Returns the results by index and the run's start and end (``time.time()`` seconds)."""
     timeout = httpx.Timeout(args.timeout_s, connect=10)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    url = args.base_url + "/v1/completions"
+    results: dict[int, RequestResult] = {}
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        start = time.time()
+        if request_rate:
+            rng = random.Random(seed)
+
+            async def delayed(i: int, prompt: list[int], max_tokens: int, delay: float) -> None:
+                await asyncio.sleep(delay)
+                results[i] = await run_one(client, url, model, prompt, max_tokens)
+
+            arrivals, t = [], 0.0
+            for _ in items:
+                arrivals.append(t)
+                t += rng.expovariate(request_rate)
+            await asyncio.gather(*(delayed(*item, a) for item, a in zip(items, arrivals)))
+        else:
+            pending = list(items)
+
+            async def client_loop() -> None:
+                while pending:
+                    i, prompt, max_tokens = pending.pop(0)
+                    results[i] = await run_one(client, url, model, prompt, max_tokens)
+
+            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return results, start, time.time()
+
+
+def _drive_shard(args: argparse.Namespace, model: str, items: list, concurrency: int,
+                 request_rate: float | None, seed: int, start_at: float) -> tuple:  # fmt: skip
+    """One client process of ``--num-clients``: :func:`drive` on its share."""
+    return asyncio.run(drive(args, model, items, concurrency, request_rate, seed, start_at))
+
+
+async def prepare(args: argparse.Namespace) -> tuple[str, list[tuple[list[int], int]]]:
+    """The model name (asked from the server unless given), the timed prompts; sends the
+    warm-up requests."""
+    prompts = make_prompts(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+        args.seed,
+    )  # fmt: skip
+    # Warm-up prompts of their own (another seed): re-sending timed prompts would let a
+    # server's prefix cache answer them, and their TTFT would not be a prefill's.
+    warmup = make_prompts(
+        args.warmup, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+        args.seed + 1_000_003,
+    )  # fmt: skip
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s, connect=10)) as client:
         model = args.model
         if model is None:
             model = (await client.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
-        prompts = make_prompts(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            args.vocab_size,
-            args.seed,
-        )
-        url = args.base_url + "/v1/completions"
-        # Warm-up prompts of their own (another seed): re-sending timed prompts would let a
-        # server's prefix cache answer them, and their TTFT would not be a prefill's.
-        warmup = make_prompts(
-            args.warmup, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
-            args.seed + 1_000_003,
-        )  # fmt: skip
         for prompt, max_tokens in warmup:
-            await run_one(client, url, model, prompt, max_tokens)
-        rng = random.Random(args.seed + 1)
-        start = time.perf_counter()
-        if args.request_rate:
+            await run_one(client, args.base_url + "/v1/completions", model, prompt, max_tokens)
+    return model, prompts
 
-            async def delayed(i: int, delay: float) -> RequestResult:
-                await asyncio.sleep(delay)
-                return await run_one(client, url, model, *prompts[i])
 
-            arrivals, t = [], 0.0
-            for _ in prompts:
-                arrivals.append(t)
-                t += rng.expovariate(args.request_rate)
-            results = await asyncio.gather(*(delayed(i, a) for i, a in enumerate(arrivals)))
-        else:
-            queue = list(range(len(prompts)))
-            results: list[RequestResult | None] = [None] * len(prompts)
+def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], float, str]:
+    """Warm up, then send every prompt from ``--num-clients`` client processes (the prompts
+    dealt round-robin, the concurrency or the request rate split evenly: a sum of Poisson
+    processes is one at the summed rate); returns the results in prompt order, the run's
+    seconds (first start to last end) and the model name."""
+    model, prompts = asyncio.run(prepare(args))
+    items = [(i, p, m) for i, (p, m) in enumerate(prompts)]
+    n = args.num_clients
+    if n == 1:
+        results, start, end = asyncio.run(
+            drive(args, model, items, args.concurrency, args.request_rate, args.seed + 1)
+        )
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-            async def client_loop() -> None:
-                while queue:
-                    i = queue.pop(0)
-                    results[i] = await run_one(client, url, model, *prompts[i])
-
-            await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
-        return list(results), time.perf_counter() - start, model
+        rate = args.request_rate / n if args.request_rate else None
+        start_at = time.time() + 3.0  # the client processes start (import httpx) before this
+        shares = [
+            (args, model, items[k::n], args.concurrency // n + (k < args.concurrency % n), rate,
+             args.seed + 1 + k, start_at)
+            for k in range(n)
+        ]  # fmt: skip
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(n, mp_context=ctx) as pool:
+            parts = list(pool.map(_drive_shard, *zip(*shares)))
+        results = {i: r for part, _, _ in parts for i, r in part.items()}
+        start, end = min(p[1] for p in parts), max(p[2] for p in parts)
+    return [results[i] for i in range(len(prompts))], end - start, model
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -202,6 +253,7 @@ def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
     print(
         f"\nServing benchmark | {args.base_url} | model {model} | {args.num_prompts} prompts, "
         f"input {args.input_len}, output {args.output_len}, range ratio {args.range_ratio} | {load}"
+        f" | {args.num_clients} client process(es)"
     )
     done, failed, seconds = summary["completed"], summary["failed"], summary["seconds"]
     print(f"completed {done}, failed {failed} in {seconds:.2f} s")
@@ -236,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=2,
         help="requests sent before timing, with prompts of their own (never timed prompts)",
     )  # fmt: skip
+    parser.add_argument(
+        "--num-clients", type=int, default=1,
+        help="client processes sharing the load: one Python client spends about 70 us of CPU "
+        "per streamed chunk, so at tens of thousands of tokens/s one process is the bottleneck",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="also write the summary to this file")
@@ -246,7 +303,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1 or args.concurrency < 1 or not 0 <= args.range_ratio < 1:
         raise SystemExit("--num-prompts and --concurrency must be >= 1, --range-ratio in [0, 1)")
-    results, seconds, model = asyncio.run(run_benchmark(args))
+    if not 1 <= args.num_clients <= min(args.num_prompts, args.concurrency):
+        raise SystemExit(
+            f"--num-clients={args.num_clients} is invalid; allowed: 1..min(--num-prompts, "
+            f"--concurrency) = {min(args.num_prompts, args.concurrency)}"
+        )
+    results, seconds, model = run_benchmark(args)
     summary = summarize(results, seconds)
     print_table(summary, args, model)
     if args.json:

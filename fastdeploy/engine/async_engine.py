@@ -1,52 +1,54 @@
-"""Asynchronous front of :class:`~fastdeploy.engine.engine.LLMEngine` for the API server.
+"""Asynchronous front of the engine for the API server.
 
-Structure: the engine's step loop runs on ONE dedicated background thread, and detokenises there
-(below); everything else (tokenisation, chat templates, HTTP and SSE streaming) runs on the
-server's asyncio thread. Why a thread and not a separate process:
+The engine's step loop (:class:`~fastdeploy.engine.engine_loop.EngineLoop`) runs either in a
+process of its own (:class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`, the server's
+default) or on one background thread of the server process
+(:class:`~fastdeploy.engine.engine_loop.ThreadCore`: ``--disable-frontend-multiprocessing``, and
+any engine object passed in directly, such as the tests' stand-ins). Everything else
+(tokenisation, chat templates, HTTP and SSE streaming) runs on the server's asyncio thread.
 
-* a model step that waits on the device spends that time in calls that release the GIL, so
-  the asyncio thread keeps serving HTTP meanwhile (true of large models; see the measured limit
-  below for small ones);
-* one process keeps the KV cache state, the scheduler and the metrics in one place, with no
-  serialisation of requests or outputs between processes;
-* the loop never waits on HTTP: it only drains a thread-safe command queue between steps (adds,
-  aborts), steps, and posts each step's outputs to the asyncio loop with
-  ``loop.call_soon_threadsafe``, so a slow client never delays the next step. Each step's new
-  tokens and text reach the per-request asyncio queues (and so the streams) right after that step.
-  The engine itself detokenises (its stop checker needs the text to decide which requests end,
-  and a request ended by a stop string frees its KV blocks in that same step).
+The loop never waits on HTTP: it drains commands (adds, aborts) between steps, steps, and emits
+one message per step; here each message is posted to the asyncio loop with
+``loop.call_soon_threadsafe`` (from the engine thread, or from the thread that reads the engine
+process's pipe), so a slow client never delays the next step. Each step's new tokens and text
+reach the per-request asyncio queues (and so the streams) right after that step. The engine
+itself detokenises (its stop checker needs the text to decide which requests end, and a request
+ended by a stop string frees its KV blocks in that same step).
 
-Both threads share one GIL, so what the asyncio thread spends per step (at 64 streams, 64 new
-tokens) is taken from the engine's host time. Measured limit of this design: with the small
-SmolLM2-135M model on an H200 the engine's step is itself host-bound (about 1 ms of host work
-per step), so the two threads contend for the GIL: 7,062 output
-tok/s served against 42,033 offline at 64 streams. Moving the engine loop into a process of its
-own (vLLM's engine core) is the known remedy and is not built yet.
+Why a process by default: with the engine on a thread both share one GIL, so what the asyncio
+thread spends per step (at 64 streams, 64 new tokens) is taken from the engine's host time. With
+the small SmolLM2-135M model on an H200 the step is itself host-bound, and 64 streams were
+served at 7,062 output tok/s against 42,033 offline.
 
-The hand-off is kept small: one callback per step, each request's new output object handed
-over as it is (no copies; see
-:mod:`~fastdeploy.engine.output_processor`), one wake-up per stream, the step's token metrics
-recorded at once; the SSE chunks are encoded from templates
+The hand-off is kept small: one message per step, each request's new output object handed over
+as it is (no copies; see :mod:`~fastdeploy.engine.output_processor`), one wake-up per stream, the
+step's token metrics recorded at once; the SSE chunks are encoded from templates
 (:mod:`~fastdeploy.entrypoints.openai.sse`). ``benchmarks/benchmark_server_overhead.py`` measures
 it.
 
-All calls into the engine (``add_request``, ``abort_request``, ``step``, ``get_stats``) happen on
-the engine thread, so the engine itself needs no locks; ``check_request`` is pure and runs on the
-asyncio thread.
+Admission checks (``check_request``) run here, on the asyncio thread, so a bad request is
+answered with an HTTP error before any response starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.engine_core_proc import EngineCoreProcess
+from fastdeploy.engine.engine_loop import (
+    IDLE_WAIT_S,
+    AbortRequest,
+    AddRequest,
+    StopLoop,
+    ThreadCore,
+    Wake,
+)
 from fastdeploy.engine.request_stream import RequestOutputs, RequestStream
 from fastdeploy.metrics import ServerMetrics, StepTokens
 
@@ -71,39 +73,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shutdown or a failed step); no request can make progress."""
 
 
-# Commands from the asyncio side to the engine thread, applied between steps by ``_drain``.
-@dataclass(frozen=True)
-class AddRequest:
-    """Queue a request that already passed ``engine.check_request``."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    kv_transfer_params: dict | None = None
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    """Abort a request and free its KV blocks (a no-op for an unknown id)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class StopLoop:
-    """Leave the engine loop."""
-
-
-@dataclass(frozen=True)
-class Wake:
-    """Step again now: background work ended (a PD pull finished)."""
-
-
-Command = AddRequest | AbortRequest | StopLoop | Wake
-
-#: Seconds the loop waits for a command when it has nothing to step, or when its last step found
-#: nothing to run while PD work (pulls, pending sends) goes on in the background.
-IDLE_WAIT_S = 0.5
+# The commands and the idle wait live with the loop; re-exported for the callers that knew them here.
+__all__ = [
+    "AbortRequest", "AddRequest", "AsyncLLMEngine", "EngineDeadError", "IDLE_WAIT_S",
+    "QueueFullError", "StopLoop", "Wake",
+]  # fmt: skip
 
 
 @dataclass
@@ -117,13 +91,14 @@ class _Tracked:
 
 
 class AsyncLLMEngine:
-    """Runs ``engine.step()`` on a background thread and streams outputs to asyncio consumers.
+    """Drives the engine loop and streams its outputs to asyncio consumers.
 
     Args:
-        engine: an ``LLMEngine`` (or anything with its methods: ``check_request``,
-            ``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
-            ``get_stats``, ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``,
-            ``vocab_size``; ``max_model_len_note`` when it has one).
+        engine: an :class:`EngineCoreProcess` (the loop runs in that process), or an
+            ``LLMEngine`` or anything with its methods (``check_request``, ``add_request``,
+            ``abort_request``, ``step``, ``has_unfinished_requests``, ``get_stats``,
+            ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``, ``vocab_size``;
+            ``max_model_len_note`` when it has one), whose loop then runs on a thread here.
         output_processor: turns ``EngineOutput`` lists into cumulative ``RequestOutput`` lists,
             new objects each step (they are handed to consumers as they are); default
             ``OutputProcessor()``.
@@ -144,48 +119,62 @@ class AsyncLLMEngine:
 
             output_processor = OutputProcessor()
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.max_model_len_note: str | None = getattr(engine, "max_model_len_note", None)
-        self.vocab_size: int = engine.vocab_size
+        core = engine if isinstance(engine, EngineCoreProcess) else ThreadCore(engine)
+        self._core: EngineCoreProcess | ThreadCore = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self.max_model_len_note: str | None = core.max_model_len_note
+        self.vocab_size: int = core.vocab_size
         self.max_concurrency = max_concurrency
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._processor = output_processor
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._dead: BaseException | None = None
         self.stats: dict = {}
+        self._handlers = {
+            "stats": self._on_stats,
+            "step": self._on_step,
+            "fail": self._fail,
+            "dead": self._on_dead,
+        }
 
     # ---------------------------------------------------------------- lifecycle (asyncio side)
     def start(self) -> None:
-        """Start the engine thread; call from inside the running asyncio loop."""
-        if self._thread is not None:
+        """Start the engine loop (thread) or the reader of the engine process; call from inside
+        the running asyncio loop."""
+        if self._started:
             raise RuntimeError("AsyncLLMEngine.start() called twice")
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="fastdeploy-engine", daemon=True)
-        self._thread.start()
+        self._core.start(self._emit)
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive and has not failed."""
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """True while the engine loop is alive and has not failed."""
+        return self._started and self._core.is_alive() and self._dead is None
+
+    def describe(self) -> dict:
+        """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
+        return self._core.describe()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after the current step, fail in-flight requests, shut the engine down."""
         if self._dead is None:
             self._dead = EngineDeadError("the server is shutting down")
-        self._commands.put(StopLoop())
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+        self._core.send(StopLoop())
+        stopped = await asyncio.to_thread(self._core.join, timeout_s)
         self._fail_all(self._dead)
-        if self._thread is not None and self._thread.is_alive():
-            # Still inside a step: releasing the model under it would be unsafe. The thread is a
-            # daemon, so it does not keep the process alive.
-            logger.error("engine thread did not stop within %.0f s", timeout_s)
+        if not stopped:
+            # Still inside a step. A thread cannot be stopped, and releasing the model under it
+            # would be unsafe (it is a daemon, so it does not keep the process alive); an engine
+            # process is killed.
+            logger.error("the engine loop did not stop within %.0f s", timeout_s)
+            if isinstance(self._core, EngineCoreProcess):
+                self._core.kill()
             return
-        self.engine.shutdown()
+        self._core.close()
 
     # ---------------------------------------------------------------- requests (asyncio side)
     def add_request(
@@ -207,13 +196,9 @@ class AsyncLLMEngine:
             QueueFullError: ``max_concurrency`` requests are already in flight.
             EngineDeadError: the engine loop is not running.
         """
-        if self._dead is not None or self._thread is None:
+        if self._dead is not None or not self._started:
             raise EngineDeadError(str(self._dead or "the engine loop is not running"))
-        # pure: safe off the engine thread
-        if kv_transfer_params is None:
-            self.engine.check_request(prompt_token_ids, sampling_params)
-        else:
-            self.engine.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
+        self._core.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
@@ -221,7 +206,7 @@ class AsyncLLMEngine:
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
         outputs = RequestOutputs()
         self._tracked[request_id] = _Tracked(outputs, len(prompt_token_ids), time.monotonic())
-        self._commands.put(
+        self._core.send(
             AddRequest(request_id, list(prompt_token_ids), sampling_params, kv_transfer_params)
         )
         return RequestStream(self, request_id, outputs)
@@ -252,7 +237,7 @@ class AsyncLLMEngine:
         if tracked is None:
             return
         self._processor.abort_request(request_id)
-        self._commands.put(AbortRequest(request_id))
+        self._core.send(AbortRequest(request_id))
         self.metrics.observe_finish("abort", time.monotonic() - tracked.arrival)
 
     def fail_in_flight(self, message: str) -> int:
@@ -266,68 +251,11 @@ class AsyncLLMEngine:
         """Requests admitted and not yet finished or aborted."""
         return len(self._tracked)
 
-    # ---------------------------------------------------------------- engine thread
-    def _run(self) -> None:
-        """The engine loop: drain commands, step while there is work, post outputs."""
-        engine = self.engine
-        background = getattr(engine, "has_background_work", lambda: False)
-        set_wakeup = getattr(engine, "set_wakeup", None)
-        if set_wakeup is not None:
-            set_wakeup(lambda: self._commands.put(Wake()))
-        try:
-            self._post(self._on_stats, engine.get_stats())
-            while True:
-                busy = engine.has_unfinished_requests() and not getattr(
-                    engine, "last_step_idle", False
-                )
-                if not self._drain(block=not busy):
-                    return
-                if engine.has_unfinished_requests() or background():
-                    outputs = engine.step()
-                    now = time.monotonic()
-                    self._post(self._on_step, outputs, engine.get_stats(), now)
-        except BaseException as e:  # noqa: BLE001 - report any failure to the waiting clients
-            logger.exception("engine loop failed")
-            self._post(self._on_dead, e)
-
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; wait for one first when ``block``. False means stop."""
-        changed = False
-        while True:
-            try:
-                cmd: Command = (
-                    self._commands.get(timeout=IDLE_WAIT_S)
-                    if block
-                    else self._commands.get_nowait()
-                )
-            except queue.Empty:
-                break  # idle: let the loop check background work, then wait again
-            block = False
-            if isinstance(cmd, StopLoop):
-                return False
-            if isinstance(cmd, Wake):
-                continue
-            changed = True
-            if isinstance(cmd, AddRequest):
-                try:
-                    if cmd.kv_transfer_params is None:
-                        self.engine.add_request(
-                            cmd.request_id, cmd.prompt_token_ids, cmd.sampling_params
-                        )
-                    else:
-                        self.engine.add_request(
-                            cmd.request_id,
-                            cmd.prompt_token_ids,
-                            cmd.sampling_params,
-                            cmd.kv_transfer_params,
-                        )
-                except ValueError as e:
-                    self._post(self._fail, cmd.request_id, e)
-            elif isinstance(cmd, AbortRequest):
-                self.engine.abort_request(cmd.request_id)
-        if changed:
-            self._post(self._on_stats, self.engine.get_stats())
-        return True
+    # ---------------------------------------------------------------- engine side
+    def _emit(self, kind: str, *args: Any) -> None:
+        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`), from the
+        engine thread or the engine process's reader thread: handled on the asyncio loop."""
+        self._post(self._handlers[kind], *args)
 
     def _post(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the asyncio loop (dropped if the loop is already closed)."""
@@ -399,7 +327,7 @@ class AsyncLLMEngine:
         if tracked is None:
             return
         self._processor.abort_request(request_id)
-        self._commands.put(AbortRequest(request_id))
+        self._core.send(AbortRequest(request_id))
         self.metrics.observe_finish("error", time.monotonic() - tracked.arrival)
         tracked.outputs.put(error)
 

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import Request, RequestStatus, check_prompt, check_sampling
+from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.overlap import OverlapStepMixin
 from fastdeploy.engine.pd_steps import PDStepMixin
@@ -218,34 +219,26 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         Returns what ``kv_transfer_params`` asks for: None (a plain request), True (a prefill
         leg) or the decode leg's ``RemotePrefill``.
 
-        Pure: it reads only what start-up fixed (``max_model_len``, the vocabulary size, whether
-        there is a tokenizer), so it is safe to call from another thread than the one that steps
-        the engine.
+        Pure: it reads only what start-up fixed, so it is safe to call from another thread than
+        the one that steps the engine.
 
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
-                ``logit_bias`` id outside it, stop strings without a tokenizer, or
-                ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
-                prompt length that differs from the prefill node's).
-            PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
-                output token; the message names both lengths, and the KV pool when that is what
-                bounds ``max_model_len``).
+            ValueError, PromptTooLongError: see :meth:`Admission.check`.
         """
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, self.max_model_len_note)
-        if sampling_params is not None:
-            check_sampling(sampling_params, self.vocab_size, self.tokenizer is not None)
-        if kv_transfer_params is None:
-            return None
-        from fastdeploy.splitwise.roles import check_decode_leg, check_kv_transfer_params
+        return self.admission().check(prompt_token_ids, sampling_params, kv_transfer_params)
 
-        leg = check_kv_transfer_params(
-            self.config.parallel_config.splitwise_role, kv_transfer_params, self.kv_layout
+    def admission(self) -> Admission:
+        """What requests are checked against, from this engine's start-up values (picklable:
+        the server checks requests with it when the engine runs in a process of its own)."""
+        return Admission(
+            self.max_model_len,
+            self.vocab_size,
+            self.tokenizer is not None,
+            self.max_model_len_note,
+            self.config.parallel_config.splitwise_role,
+            getattr(self, "kv_layout", None),
+            self.config.cache_config.block_size,
         )
-        if leg not in (None, True):
-            check_decode_leg(
-                leg, len(prompt_token_ids), self.vocab_size, self.config.cache_config.block_size
-            )
-        return leg
 
     def add_request(
         self,

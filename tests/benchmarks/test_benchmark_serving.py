@@ -62,3 +62,28 @@ def test_warmup_prompts_are_never_timed_prompts():
         )  # fmt: skip
     assert summary["completed"] == 3 and len(sent) == 5
     assert not set(sent[:2]) & set(sent[2:])
+
+
+def test_client_processes_share_the_load():
+    """--num-clients 2: every prompt is sent once, from two processes, and the summary counts
+    all of them; a count above the concurrency is refused naming the limit."""
+    bench = load_benchmark()
+    with serve_in_thread(FakeEngine(step_delay_s=0.002)) as (url, async_engine):
+        summary = bench.main(
+            ["--base-url", url, "--num-prompts", "10", "--input-len", "8", "--output-len", "5",
+             "--concurrency", "4", "--vocab-size", "256", "--warmup", "1", "--num-clients", "2"]
+        )  # fmt: skip
+        assert summary["completed"] == 10 and summary["failed"] == 0
+        assert summary["output_tokens"] == 50 and summary["input_tokens"] == 80
+        assert summary["tpot_ms"]["p50"] > 0
+        summary = bench.main(
+            ["--base-url", url, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
+             "--request-rate", "40", "--vocab-size", "256", "--num-clients", "2"]
+        )  # fmt: skip
+        assert summary["completed"] == 4 and summary["output_tokens"] == 12
+    try:
+        bench.main(["--num-clients", "5", "--concurrency", "4"])
+    except SystemExit as e:
+        assert "--num-clients=5" in str(e) and "1..min" in str(e) and "= 4" in str(e)
+    else:
+        raise AssertionError("5 client processes for 4 streams were not refused")

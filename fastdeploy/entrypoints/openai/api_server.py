@@ -74,6 +74,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "cancelled (aborted, their KV blocks freed) (default: 10)",
     )
     server.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="run the engine loop on a thread of the server process instead of a process of "
+        "its own (one GIL: slower when the model's step is host-bound)",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -149,6 +155,7 @@ def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan)
         "port": args.port,
         "served_model_name": served_name(args),
         "max_concurrency": args.max_concurrency,
+        "engine_process": not args.disable_frontend_multiprocessing,
     }
     not_supported = config.not_supported_yet()
     return {
@@ -208,9 +215,18 @@ def run_server(args: argparse.Namespace) -> int:
             return 0
         if config.parallel_config.node_rank > 0:
             return run_other_node(config)
-        from fastdeploy.engine.engine import LLMEngine
+        if args.disable_frontend_multiprocessing:
+            from fastdeploy.engine.engine import LLMEngine
 
-        core = LLMEngine(config, plan)
+            core = LLMEngine(config, plan)
+        else:
+            from fastdeploy.engine.engine_core_proc import EngineCoreProcess, EngineStartError
+
+            try:
+                core = EngineCoreProcess(config, plan, args.log_level)
+            except EngineStartError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

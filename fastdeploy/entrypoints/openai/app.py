@@ -113,15 +113,15 @@ def build_app(
 
     @app.get("/v1/server_info")
     async def server_info() -> JSONResponse:
-        core = engine.engine
+        described = engine.describe()
         return JSONResponse(
             {
                 "model": served_model_name,
                 "max_model_len": engine.max_model_len,
-                "max_model_len_note": getattr(core, "max_model_len_note", None),
+                "max_model_len_note": engine.max_model_len_note,
                 "max_concurrency": engine.max_concurrency,
-                "config": core.config.to_dict(),
-                "graph_plan": core.graph_plan.to_dict(),
+                "config": described.get("config"),
+                "graph_plan": described.get("graph_plan"),
                 "num_in_flight": engine.num_in_flight,
                 "stats": engine.stats,
             }

@@ -1,0 +1,70 @@
+"""The admission check every front end runs before it queues a request.
+
+It reads only what the engine fixed at start-up, so it runs wherever the request arrives: on the
+engine's own thread, on the server's asyncio thread, or in the server process while the engine
+runs in a process of its own (:mod:`~fastdeploy.engine.engine_core_proc`), which sends its
+:class:`Admission` to the server once it is ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastdeploy.core.request import check_prompt, check_sampling
+from fastdeploy.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a request is checked against (picklable).
+
+    Attributes:
+        max_model_len: tokens one request may reach (prompt + output); a prompt needs room for
+            at least one output token.
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        has_tokenizer: stop strings need one.
+        max_model_len_note: why ``max_model_len`` is below the configured value (the KV pool),
+            named in the error of a prompt too long; None when it is not.
+        splitwise_role: ``mixed``, ``prefill`` or ``decode`` (which ``kv_transfer_params`` fit).
+        kv_layout: this node's KV layout (what a PD peer's must equal); None outside PD.
+        block_size: tokens per KV block.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    has_tokenizer: bool
+    max_model_len_note: str | None = None
+    splitwise_role: str = "mixed"
+    kv_layout: dict | None = None
+    block_size: int = 16
+
+    def check(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> Any:
+        """Check one request. Returns what ``kv_transfer_params`` asks for: None (a plain
+        request), True (a prefill leg) or the decode leg's ``RemotePrefill``.
+
+        Raises:
+            ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
+                ``logit_bias`` id outside it, stop strings without a tokenizer, or
+                ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
+                prompt length that differs from the prefill node's).
+            PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
+                output token; the message names both lengths, and the KV pool when that is what
+                bounds ``max_model_len``).
+        """
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, self.max_model_len_note)
+        if sampling_params is not None:
+            check_sampling(sampling_params, self.vocab_size, self.has_tokenizer)
+        if kv_transfer_params is None:
+            return None
+        from fastdeploy.splitwise.roles import check_decode_leg, check_kv_transfer_params
+
+        leg = check_kv_transfer_params(self.splitwise_role, kv_transfer_params, self.kv_layout)
+        if leg not in (None, True):
+            check_decode_leg(leg, len(prompt_token_ids), self.vocab_size, self.block_size)
+        return leg

@@ -1,0 +1,226 @@
+"""The engine in a process of its own (the server's default), on CPU with a tiny random-weight
+Llama in float32: it gives the same greedy tokens as the engine on a thread; a start-up error
+reaches the server as the same exception; a killed engine process fails the in-flight requests
+and the server sees it; a killed server process ends the engine process; nothing is left
+running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from tiny_models import tiny_llama
+
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.admission import Admission
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from fastdeploy.engine.engine_core_proc import EngineCoreProcess, _Emitter, portable_error
+from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 77)), [300] * 9]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama_proc")
+    (d / "config.json").write_text(json.dumps(tiny_llama(num_hidden_layers=3)))
+    return str(d)
+
+
+def config_of(tiny_dir, **kw):
+    args = dict(
+        model=tiny_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=256,
+        block_size=16, max_num_seqs=4, seed=0, device="cpu",
+    )  # fmt: skip
+    args.update(kw)
+    config = EngineArgs(**args).create_engine_config()
+    return config, resolve_graph_plan(config)
+
+
+async def collect(engine: AsyncLLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    async def one(i, p):
+        out = None
+        async for out in engine.generate(f"r{i}", p, params):
+            pass
+        return out.outputs[0].token_ids
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def serve(core, prompts, params=GREEDY):
+    engine = AsyncLLMEngine(core)
+    engine.start()
+    try:
+        return await collect(engine, prompts, params)
+    finally:
+        await engine.shutdown()
+
+
+def test_process_gives_the_thread_engines_tokens_and_stops(tiny_dir):
+    from fastdeploy.engine.engine import LLMEngine
+
+    on_thread = asyncio.run(serve(LLMEngine(*config_of(tiny_dir)), PROMPTS))
+    core = EngineCoreProcess(*config_of(tiny_dir), log_level="warning")
+    pid = core.proc.pid
+    assert core.max_model_len == 256 and core.vocab_size == 512
+    assert core.describe()["config"]["model_config"]["max_model_len"] == 256
+    in_process = asyncio.run(serve(core, PROMPTS))
+    assert in_process == on_thread
+    assert all(len(t) == 12 for t in in_process)
+    assert not core.proc.is_alive() and core.proc.exitcode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_bad_request_is_refused_in_the_server_process(tiny_dir):
+    core = EngineCoreProcess(*config_of(tiny_dir, max_model_len=32), log_level="warning")
+
+    async def run():
+        engine = AsyncLLMEngine(core)
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match="max_model_len"):
+                engine.add_request("long", list(range(3, 40)), GREEDY)
+            with pytest.raises(ValueError, match="0..511"):
+                engine.add_request("vocab", [3, 600], GREEDY)
+            # Nothing leaked: the next request is served.
+            return await collect(engine, [[7, 8, 9]])
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(run())[0]) == 12
+
+
+def test_a_start_up_error_is_raised_in_the_server_and_the_process_exits(tiny_dir):
+    # 2 blocks of 16 tokens: no request fits, which LLMEngine refuses while starting.
+    config, plan = config_of(tiny_dir, num_gpu_blocks_override=1)
+    started = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        EngineCoreProcess(config, plan, log_level="error")
+    assert "block" in str(err.value), str(err.value)
+    assert time.monotonic() - started < 60
+
+
+def test_a_killed_engine_process_fails_the_requests_in_flight(tiny_dir):
+    core = EngineCoreProcess(*config_of(tiny_dir), log_level="error")
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        engine = AsyncLLMEngine(core)
+        engine.start()
+        try:
+            stream = engine.generate("r0", [5, 6, 7], long)
+            first = await stream.__anext__()  # the request is running
+            assert first.outputs[0].token_ids
+            os.kill(core.proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="exited"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - started < 10
+            assert not engine.is_running and engine.num_in_flight == 0
+            with pytest.raises(EngineDeadError):
+                engine.add_request("r1", [1, 2], GREEDY)
+        finally:
+            await engine.shutdown(timeout_s=5)
+
+    asyncio.run(run())
+    assert not core.proc.is_alive()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_engine_core_proc import config_of
+    from fastdeploy.engine.engine_core_proc import EngineCoreProcess
+
+    if __name__ == "__main__":
+        core = EngineCoreProcess(*config_of({tiny_dir!r}), log_level="error")
+        print(core.proc.pid, flush=True)
+        sys.stdin.read()  # until killed
+    """
+)
+
+
+def test_a_killed_server_process_ends_the_engine_process(tiny_dir, tmp_path):
+    script = tmp_path / "server.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(CHILD.format(tests=tests, tiny_dir=tiny_dir))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    server = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    engine_pid = None
+    try:
+        engine_pid = int(server.stdout.readline())
+        os.kill(engine_pid, 0)  # running
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"engine process {engine_pid} still runs 15 s after its server died")
+    finally:
+        server.kill()
+        server.wait(10)
+        if engine_pid is not None:
+            try:
+                os.kill(engine_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+        self.lock = __import__("threading").Lock()
+
+
+def test_errors_that_do_not_pickle_travel_as_runtime_errors():
+    err = portable_error(Unpicklable(1, 2))
+    assert isinstance(err, RuntimeError) and "Unpicklable: 1/2" in str(err)
+    fine = ValueError("x")
+    assert portable_error(fine) is fine
+
+    sent = []
+
+    class Conn:
+        def send(self, message):
+            import pickle
+
+            pickle.dumps(message)
+            sent.append(message)
+
+    emit = _Emitter(Conn(), None)
+    out = EngineOutput("r", [1], None, True, "abort", error=Unpicklable(3, 4))
+    emit("step", [out], {}, 0.0)
+    emit("fail", "r2", Unpicklable(5, 6))
+    assert isinstance(sent[0][1][0].error, RuntimeError)
+    assert "5/6" in str(sent[1][2])
+
+
+def test_admission_pickles_and_checks_as_the_engine_does():
+    import pickle
+
+    a = pickle.loads(pickle.dumps(Admission(64, 100, False, "lowered from 128 to 64")))
+    with pytest.raises(ValueError, match="lowered from 128 to 64"):
+        a.check(list(range(64)), GREEDY)
+    with pytest.raises(ValueError, match="tokenizer"):
+        a.check([1, 2], SamplingParams(stop=["x"]))
+    assert a.check([1, 2], GREEDY) is None
