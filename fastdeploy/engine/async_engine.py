@@ -8,9 +8,9 @@ any engine object passed in directly, such as the tests' stand-ins). Everything 
 (tokenisation, chat templates, HTTP and SSE streaming) runs on the server's asyncio thread.
 
 The loop never waits on HTTP: it drains commands (adds, aborts) between steps, steps, and emits
-one message per step; here each message is posted to the asyncio loop with
-``loop.call_soon_threadsafe`` (from the engine thread, or from the thread that reads the engine
-process's pipe), so a slow client never delays the next step. Each step's new tokens and text
+one message per step, handled on the asyncio thread (which reads the engine process's pipe
+when it is readable, or gets the engine thread's messages through
+``loop.call_soon_threadsafe``), so a slow client never delays the next step. Each step's new tokens and text
 reach the per-request asyncio queues (and so the streams) right after that step. The engine
 itself detokenises (its stop checker needs the text to decide which requests end, and a request
 ended by a stop string frees its KV blocks in that same step).
@@ -148,7 +148,10 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() called twice")
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self._core.start(self._emit)
+        if isinstance(self._core, EngineCoreProcess):
+            self._core.start(self._dispatch, self._loop)  # called on this loop's thread
+        else:
+            self._core.start(self._emit)
 
     @property
     def is_running(self) -> bool:
@@ -253,9 +256,13 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- engine side
     def _emit(self, kind: str, *args: Any) -> None:
-        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`), from the
-        engine thread or the engine process's reader thread: handled on the asyncio loop."""
+        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`) from the
+        engine thread: handled on the asyncio loop."""
         self._post(self._handlers[kind], *args)
+
+    def _dispatch(self, kind: str, *args: Any) -> None:
+        """A message of the engine process, read on the asyncio thread: handled now."""
+        self._handlers[kind](*args)
 
     def _post(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the asyncio loop (dropped if the loop is already closed)."""

@@ -27,6 +27,7 @@ Lifetime:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -89,7 +90,9 @@ class EngineCoreProcess:
         self._out, out_send = ctx.Pipe(duplex=False)
         self._send_lock = threading.Lock()
         self._stopping = False
-        self._reader: threading.Thread | None = None
+        self._reading = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._emit: Emit | None = None
         self.proc = ctx.Process(
             target=run_engine_core,
             args=(config, graph_plan, log_level, cmd_recv, out_send),
@@ -143,25 +146,35 @@ class EngineCoreProcess:
         """``{"config": ..., "graph_plan": ...}`` as the engine process resolved them."""
         return dict(self._describe)
 
-    def start(self, emit: Emit) -> None:
-        """Start the reader thread: it calls ``emit(kind, *args)`` for each message, and
-        ``emit("dead", error)`` when the engine process ends other than by :meth:`send` of
-        ``StopLoop``."""
-        self._reader = threading.Thread(
-            target=self._read, args=(emit,), name="fastdeploy-engine-reader", daemon=True
-        )
-        self._reader.start()
+    def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on ``loop`` (its thread calls ``emit(kind, *args)`` for
+        each one, and ``emit("dead", error)`` when the engine process ends other than by
+        :meth:`send` of ``StopLoop``). The asyncio thread reads the pipe itself when it is
+        readable: a reader thread would have to take the GIL from the asyncio thread for every
+        step (up to the 5 ms switch interval while that thread encodes streams) and then hand
+        each message over."""
+        self._loop = loop
+        self._emit = emit
+        loop.add_reader(self._out.fileno(), self._on_readable)
+        self._reading = True
 
-    def _read(self, emit: Emit) -> None:
-        while True:
-            try:
-                message = self._out.recv()
-            except (EOFError, OSError):
-                break
-            emit(*message)
-        if not self._stopping:
-            self.proc.join(5)
-            emit("dead", EngineStartError(f"the engine process exited (code {self.proc.exitcode})"))
+    def _on_readable(self) -> None:
+        try:
+            while self._out.poll():
+                self._emit(*self._out.recv())
+        except (EOFError, OSError):
+            self._stop_reading()
+            if not self._stopping:
+                self.proc.join(1)
+                self._emit(
+                    "dead",
+                    EngineStartError(f"the engine process exited (code {self.proc.exitcode})"),
+                )
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._out.fileno())
 
     def send(self, cmd: Command) -> None:
         """Send a command (any thread). Dropped when the engine process is gone: the reader
@@ -175,21 +188,17 @@ class EngineCoreProcess:
             pass
 
     def is_alive(self) -> bool:
-        return (
-            self._reader is not None
-            and self._reader.is_alive()
-            and self.proc.is_alive()
-        )
+        return self._reading and self.proc.is_alive()
 
     def join(self, timeout_s: float) -> bool:
         """Wait for the engine process to exit after ``StopLoop``; True when it did."""
         self.proc.join(timeout_s)
-        if self._reader is not None:
-            self._reader.join(1)
         return not self.proc.is_alive()
 
     def close(self) -> None:
-        """Close the pipes (after :meth:`join`)."""
+        """Stop reading and close the pipes (after :meth:`join`; on the loop's thread)."""
+        self._stopping = True
+        self._stop_reading()
         self._cmd.close()
         self._out.close()
 

@@ -224,3 +224,20 @@ def test_admission_pickles_and_checks_as_the_engine_does():
     with pytest.raises(ValueError, match="tokenizer"):
         a.check([1, 2], SamplingParams(stop=["x"]))
     assert a.check([1, 2], GREEDY) is None
+
+
+def test_engine_output_pickles_every_field():
+    """EngineOutput's compact pickling (constructor arguments) keeps every field: one added to
+    the dataclass but not to ``__reduce__`` fails here."""
+    import dataclasses
+    import pickle
+
+    values = {
+        "request_id": "r", "new_token_ids": [1, 2], "new_logprobs": [{"token_id": 1}],
+        "finished": True, "finish_reason": "stop", "num_prompt_tokens": 7,
+        "num_cached_tokens": 3, "new_text": "ab", "stop_reason": "x",
+        "kv_transfer_params": {"k": 1}, "error": None,
+    }  # fmt: skip
+    assert set(values) == {f.name for f in dataclasses.fields(EngineOutput)}
+    back = pickle.loads(pickle.dumps(EngineOutput(**values)))
+    assert dataclasses.asdict(back) == values
