@@ -22,6 +22,10 @@ It prints one table:
   the timed run) and of the client, and the asyncio thread's CPU per step of all streams: the
   number that must stay well under the step time, since both threads share one GIL.
 
+The synthetic engine runs on a thread of the server process (``ThreadCore``, the server's
+``--disable-frontend-multiprocessing``), so the asyncio thread's numbers here are the serving
+path's own cost; the server's default puts the engine in a process of its own.
+
 On a host with few cores the client competes with the server for them, so served/offline and
 TPOT there understate the server; the per-token CPU numbers do not depend on it.
 
@@ -255,7 +259,7 @@ def run_http(tokenizer: Any, args: argparse.Namespace) -> dict:
         client(min(8, args.num_prompts), min(8, args.concurrency))  # warm-up
         profile = Profile(args.profile, async_engine._loop)
         profile.start()
-        clocks = ThreadClocks(thread.ident, async_engine._thread.ident)
+        clocks = ThreadClocks(thread.ident, async_engine._core.thread_id)
         steps0 = engine.steps
         result = client(args.num_prompts, args.concurrency)
         cpu = clocks.elapsed()
@@ -311,7 +315,7 @@ def run_direct(tokenizer: Any, args: argparse.Namespace) -> dict:
             warm = argparse.Namespace(**{**vars(args), "concurrency": 8})
             await _consume_direct(handler, prompts[:8], warm)
             profile = Profile(args.profile)
-            clocks = ThreadClocks(threading.get_ident(), async_engine._thread.ident)
+            clocks = ThreadClocks(threading.get_ident(), async_engine._core.thread_id)
             steps0 = engine.steps
             profile.start()
             result = await _consume_direct(handler, prompts, args)

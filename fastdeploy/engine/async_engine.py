@@ -10,10 +10,10 @@ any engine object passed in directly, such as the tests' stand-ins). Everything 
 The loop never waits on HTTP: it drains commands (adds, aborts) between steps, steps, and emits
 one message per step, handled on the asyncio thread (which reads the engine process's pipe
 when it is readable, or gets the engine thread's messages through
-``loop.call_soon_threadsafe``), so a slow client never delays the next step. Each step's new tokens and text
-reach the per-request asyncio queues (and so the streams) right after that step. The engine
-itself detokenises (its stop checker needs the text to decide which requests end, and a request
-ended by a stop string frees its KV blocks in that same step).
+``loop.call_soon_threadsafe``), so a slow client never delays the next step. Each step's new
+tokens and text reach the per-request asyncio queues (and so the streams) right after that step.
+The engine itself detokenises (its stop checker needs the text to decide which requests end, and
+a request ended by a stop string frees its KV blocks in that same step).
 
 Why a process by default: with the engine on a thread both share one GIL, so what the asyncio
 thread spends per step (at 64 streams, 64 new tokens) is taken from the engine's host time. With
@@ -73,7 +73,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shutdown or a failed step); no request can make progress."""
 
 
-# The commands and the idle wait live with the loop; re-exported for the callers that knew them here.
+# The commands and the idle wait live with the loop; re-exported for callers that knew them here.
 __all__ = [
     "AbortRequest", "AddRequest", "AsyncLLMEngine", "EngineDeadError", "IDLE_WAIT_S",
     "QueueFullError", "StopLoop", "Wake",

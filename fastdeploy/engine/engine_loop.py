@@ -197,6 +197,11 @@ class ThreadCore:
         """Queue a command for the loop (any thread)."""
         self._commands.put(cmd)
 
+    @property
+    def thread_id(self) -> int | None:
+        """``threading`` ident of the loop thread (None before :meth:`start`)."""
+        return None if self._thread is None else self._thread.ident
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -49,10 +49,8 @@ def config_of(tiny_dir, **kw):
 
 async def collect(engine: AsyncLLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     async def one(i, p):
-        out = None
-        async for out in engine.generate(f"r{i}", p, params):
-            pass
-        return out.outputs[0].token_ids
+        outs = [o async for o in engine.generate(f"r{i}", p, params)]
+        return outs[-1].outputs[0].token_ids
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
