@@ -4,7 +4,8 @@ The server process keeps HTTP, tokenisation, chat templates and SSE encoding; th
 process loads the model and runs :class:`~fastdeploy.engine.engine_loop.EngineLoop` (schedule,
 step, detokenise, stop checks). Why: the two used to share one GIL, and for a small model whose
 step is host-bound the server's per-token work came out of the engine's step time (SmolLM2-135M
-on an H200, 64 streams: 7,062 output tok/s served against 42,033 offline).
+on an H200, 64 streams, output tok/s: 11,141 with the engine on a thread, 26,471 in its own
+process, 37,998 offline; README, Benchmarks).
 
 Wire: two one-way pipes (``multiprocessing.Pipe``; the ``spawn`` start method, which CUDA
 needs). Commands (``AddRequest``, ``AbortRequest``, ``StopLoop``) go down; the loop's messages
@@ -239,8 +240,12 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     commands: queue.SimpleQueue = queue.SimpleQueue()
+    ready = threading.Event()
     threading.Thread(
-        target=_pump, args=(cmd_conn, commands), name="fastdeploy-engine-commands", daemon=True
+        target=_pump,
+        args=(cmd_conn, commands, ready),
+        name="fastdeploy-engine-commands",
+        daemon=True,
     ).start()
     emit = _Emitter(out_conn, commands)
     from fastdeploy.engine.engine import LLMEngine
@@ -253,6 +258,7 @@ def run_engine_core(
         emit("error", portable_error(e))
         return
     try:
+        ready.set()
         emit(
             "ready",
             {
@@ -268,13 +274,18 @@ def run_engine_core(
         out_conn.close()
 
 
-def _pump(conn: Any, commands: queue.SimpleQueue) -> None:
-    """Move commands from the pipe to the loop's queue; end-of-file (the server is gone) stops
-    the loop."""
+def _pump(conn: Any, commands: queue.SimpleQueue, ready: threading.Event) -> None:
+    """Move commands from the pipe to the loop's queue. End-of-file (the server is gone) stops
+    the loop, or, before the engine is ready, ends the process at once: no request can be in
+    flight, and loading a large model to completion would hold its GPU memory for nothing (its
+    tensor-parallel ranks exit with it)."""
     while True:
         try:
             cmd = conn.recv()
         except (EOFError, OSError):
+            if not ready.is_set():
+                logger.error("the server process is gone before the engine was ready; exiting")
+                os._exit(1)
             commands.put(StopLoop())
             return
         commands.put(cmd)

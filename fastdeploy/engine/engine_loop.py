@@ -154,8 +154,9 @@ class ThreadCore:
 
     Both threads share one GIL, so what the server's asyncio thread spends per step is taken
     from the engine's host time: with the small SmolLM2-135M model on an H200, whose step is
-    host-bound, 64 streams were served at 7,062 output tok/s against 42,033 offline. The
-    server's default is therefore :class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`.
+    host-bound, 64 streams were served at 11,141 output tok/s this way and 26,471 with the engine
+    in its own process, against 37,998 offline (README, Benchmarks). The server's default is
+    therefore :class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`.
 
     Args:
         engine: what :class:`EngineLoop` drives; its attributes ``tokenizer``,
