@@ -340,8 +340,21 @@ class AsyncLLMEngine:
         tracked.outputs.put(error)
 
     def _on_dead(self, error: BaseException) -> None:
+        """The engine loop failed (or its process exited): fail every request in flight and
+        zero the gauges, since no engine holds requests or KV blocks any more."""
         self._dead = EngineDeadError(f"the engine loop failed: {error!r}")
-        self._fail_all(self._dead)
+        n = self._fail_all(self._dead)
+        logger.error("%s; %d request(s) in flight failed; /health answers 503", self._dead, n)
+        self._on_stats(
+            {
+                "num_running": 0,
+                "num_waiting": 0,
+                "num_waiting_for_remote_kv": 0,
+                "kv_cache_usage": 0.0,
+                "num_free_blocks": 0,
+                "num_total_blocks": 0,
+            }
+        )
 
     def _fail_all(self, error: BaseException) -> int:
         """:meth:`_fail` every in-flight request; returns how many there were."""

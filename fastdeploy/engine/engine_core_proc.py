@@ -56,6 +56,10 @@ class EngineStartError(RuntimeError):
     """The engine process exited before it was ready (its log says why)."""
 
 
+class EngineProcessExitedError(RuntimeError):
+    """The engine process exited while serving (killed, or crashed outside Python)."""
+
+
 def portable_error(error: BaseException) -> BaseException:
     """``error`` when it survives pickling, else a ``RuntimeError`` naming its type and text."""
     try:
@@ -169,7 +173,9 @@ class EngineCoreProcess:
                 self.proc.join(1)
                 self._emit(
                     "dead",
-                    EngineStartError(f"the engine process exited (code {self.proc.exitcode})"),
+                    EngineProcessExitedError(
+                        f"the engine process exited (code {self.proc.exitcode})"
+                    ),
                 )
 
     def _stop_reading(self) -> None:

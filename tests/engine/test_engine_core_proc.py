@@ -122,11 +122,14 @@ def test_a_killed_engine_process_fails_the_requests_in_flight(tiny_dir):
             assert first.outputs[0].token_ids
             os.kill(core.proc.pid, signal.SIGKILL)
             started = time.monotonic()
-            with pytest.raises(EngineDeadError, match="exited"):
+            with pytest.raises(EngineDeadError, match="EngineProcessExitedError.*exited"):
                 async for _ in stream:
                     pass
             assert time.monotonic() - started < 10
             assert not engine.is_running and engine.num_in_flight == 0
+            # No engine holds requests or blocks any more: the gauges say so.
+            assert engine.stats["num_running"] == 0 and engine.stats["num_total_blocks"] == 0
+            assert "fastdeploy:num_requests_running 0.0" in engine.metrics.render().decode()
             with pytest.raises(EngineDeadError):
                 engine.add_request("r1", [1, 2], GREEDY)
         finally:

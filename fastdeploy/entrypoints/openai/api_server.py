@@ -227,6 +227,9 @@ def run_server(args: argparse.Namespace) -> int:
             except EngineStartError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
+            except KeyboardInterrupt:  # the engine process was killed on the way out
+                print("interrupted while the engine was starting", file=sys.stderr)
+                return 130
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
