@@ -149,10 +149,7 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() called twice")
         self._started = True
         self._loop = asyncio.get_running_loop()
-        if isinstance(self._core, EngineCoreProcess):
-            self._core.start(self._dispatch, self._loop)  # called on this loop's thread
-        else:
-            self._core.start(self._emit)
+        self._core.start(self._dispatch, self._loop)
 
     @property
     def is_running(self) -> bool:
@@ -171,12 +168,10 @@ class AsyncLLMEngine:
         stopped = await asyncio.to_thread(self._core.join, timeout_s)
         self._fail_all(self._dead)
         if not stopped:
-            # Still inside a step. A thread cannot be stopped, and releasing the model under it
-            # would be unsafe (it is a daemon, so it does not keep the process alive); an engine
-            # process is killed.
+            # Still inside a step: an engine process is killed; a thread cannot be (see
+            # ThreadCore.kill), and releasing the model under it would be unsafe.
             logger.error("the engine loop did not stop within %.0f s", timeout_s)
-            if isinstance(self._core, EngineCoreProcess):
-                self._core.kill()
+            self._core.kill()
             return
         self._core.close()
 
@@ -256,21 +251,10 @@ class AsyncLLMEngine:
         return len(self._tracked)
 
     # ---------------------------------------------------------------- engine side
-    def _emit(self, kind: str, *args: Any) -> None:
-        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`) from the
-        engine thread: handled on the asyncio loop."""
-        self._post(self._handlers[kind], *args)
-
     def _dispatch(self, kind: str, *args: Any) -> None:
-        """A message of the engine process, read on the asyncio thread: handled now."""
+        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`); the core
+        calls this on the asyncio thread."""
         self._handlers[kind](*args)
-
-    def _post(self, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)`` on the asyncio loop (dropped if the loop is already closed)."""
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass
 
     # ---------------------------------------------------------------- callbacks (asyncio side)
     def _on_stats(self, stats: dict) -> None:

@@ -21,6 +21,7 @@ Messages are ``(kind, *args)`` tuples, handled by
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -188,10 +189,20 @@ class ThreadCore:
                 out[name] = value.to_dict()
         return out
 
-    def start(self, emit: Emit) -> None:
-        """Start the loop thread; ``emit`` is called on it for each message."""
-        loop = EngineLoop(self.engine, self._commands, emit)
-        self._thread = threading.Thread(target=loop.run, name="fastdeploy-engine", daemon=True)
+    def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the loop thread; each message becomes a call ``emit(kind, *args)`` on
+        ``loop``'s thread (``call_soon_threadsafe``; dropped once that loop is closed)."""
+
+        def post(kind: str, *args: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(emit, kind, *args)
+            except RuntimeError:  # the loop is closed
+                pass
+
+        engine_loop = EngineLoop(self.engine, self._commands, post)
+        self._thread = threading.Thread(
+            target=engine_loop.run, name="fastdeploy-engine", daemon=True
+        )
         self._thread.start()
 
     def send(self, cmd: Command) -> None:
@@ -215,3 +226,7 @@ class ThreadCore:
     def close(self) -> None:
         """Release the engine (call after :meth:`join` returned True)."""
         self.engine.shutdown()
+
+    def kill(self) -> None:
+        """Nothing: a thread cannot be stopped inside a step, and releasing the model under it
+        would be unsafe. It is a daemon, so it does not keep the process alive."""
