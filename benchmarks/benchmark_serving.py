@@ -19,6 +19,12 @@ Metrics follow the field's definitions (as vLLM's and SGLang's serving benchmark
 * ITL: the gaps between consecutive streamed chunks, over all requests;
 * throughput: requests, output tokens and total tokens per second of the whole run.
 
+Where the server exposes this project's Prometheus counters at ``/metrics``
+(``fastdeploy:steps`` by graph mode, ``fastdeploy:generation_tokens``), the table also gives the
+engine's steps during the run by mode, output tokens per step and run seconds per step: a served
+run that takes more steps than an offline one for the same tokens shows it there. Servers
+without them (vLLM, SGLang, a router) leave the line out.
+
 Percentiles are p50, p95 and p99. Output tokens come from the final usage chunk
 (``stream_options.include_usage``) where the server sends it, else from the chunks' token counts.
 """
@@ -182,12 +188,16 @@ async def prepare(args: argparse.Namespace) -> tuple[str, list[tuple[list[int], 
     return model, prompts
 
 
-def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], float, str]:
+def run_benchmark(
+    args: argparse.Namespace,
+) -> tuple[list[RequestResult], float, str, dict[str, float] | None]:
     """Warm up, then send every prompt from ``--num-clients`` client processes (the prompts
     dealt round-robin, the concurrency or the request rate split evenly: a sum of Poisson
     processes is one at the summed rate); returns the results in prompt order, the run's
-    seconds (first start to last end) and the model name."""
+    seconds (first start to last end), the model name and the server's counters after the
+    warm-up (:func:`server_counters`)."""
     model, prompts = asyncio.run(prepare(args))
+    before = server_counters(args.base_url)
     items = [(i, p, m) for i, (p, m) in enumerate(prompts)]
     n = args.num_clients
     if n == 1:
@@ -210,7 +220,49 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[RequestResult], float,
             parts = list(pool.map(_drive_shard, *zip(*shares)))
         results = {i: r for part, _, _ in parts for i, r in part.items()}
         start, end = min(p[1] for p in parts), max(p[2] for p in parts)
-    return [results[i] for i in range(len(prompts))], end - start, model
+    return [results[i] for i in range(len(prompts))], end - start, model, before
+
+
+def server_counters(base_url: str) -> dict[str, float] | None:
+    """This project's engine counters from ``base_url + "/metrics"``: ``steps:<mode>`` per graph
+    mode and ``generation_tokens``; None when the server has no such metrics (another engine, a
+    router) or cannot be reached. Parsed with ``prometheus_client``'s text parser."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+        counters: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "fastdeploy:steps_total":
+                    counters[f"steps:{sample.labels.get('mode', '?')}"] = sample.value
+                elif sample.name == "fastdeploy:generation_tokens_total":
+                    counters["generation_tokens"] = sample.value
+    except (ImportError, httpx.HTTPError, ValueError):
+        return None
+    return counters if "generation_tokens" in counters else None
+
+
+def step_summary(
+    before: dict[str, float] | None, after: dict[str, float] | None, seconds: float
+) -> dict | None:
+    """Engine steps during the run from two :func:`server_counters` readings: ``steps`` by
+    mode, ``tokens_per_step`` (output tokens per step) and ``ms_per_step`` (run seconds per
+    step, idle time included); None without both readings."""
+    if before is None or after is None:
+        return None
+    steps = {
+        key.split(":", 1)[1]: int(after[key] - before.get(key, 0.0))
+        for key in after
+        if key.startswith("steps:")
+    }
+    total = sum(steps.values())
+    tokens = after["generation_tokens"] - before["generation_tokens"]
+    return {
+        "steps": steps,
+        "tokens_per_step": tokens / total if total else 0.0,
+        "ms_per_step": seconds * 1000 / total if total else 0.0,
+    }
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -270,6 +322,13 @@ def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
         print(
             f"{name.upper():<12} {p['mean']:9.2f} {p['p50']:9.2f} {p['p95']:9.2f} {p['p99']:9.2f}"
         )
+    steps = summary.get("engine_steps")
+    if steps:
+        modes = ", ".join(f"{mode} {n}" for mode, n in sorted(steps["steps"].items()) if n)
+        print(
+            f"engine steps during the run (server /metrics): {modes or 'none'}; "
+            f"{steps['tokens_per_step']:.1f} output tokens/step, {steps['ms_per_step']:.3f} ms/step"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,8 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"--num-clients={args.num_clients} is invalid; allowed: 1..min(--num-prompts, "
             f"--concurrency) = {min(args.num_prompts, args.concurrency)}"
         )
-    results, seconds, model = run_benchmark(args)
+    results, seconds, model, before = run_benchmark(args)
     summary = summarize(results, seconds)
+    summary["engine_steps"] = step_summary(before, server_counters(args.base_url), seconds)
     print_table(summary, args, model)
     if args.json:
         Path(args.json).write_text(

@@ -35,13 +35,34 @@ def test_closed_and_open_loop_runs(tmp_path, capsys):
         saved = json.loads(out.read_text())
         assert len(saved["results"]) == 12
         assert all(len(r["itl"]) == 8 for r in saved["results"])  # one gap per later token
+        steps = summary["engine_steps"]  # from the server's /metrics around the timed run
+        assert set(steps["steps"]) == {"full", "piecewise", "eager"}
+        assert steps["steps"]["eager"] > 0 and steps["steps"]["full"] == 0
+        # 108 tokens from at most 4 running requests a step (the fake engine: one token each)
+        assert 1.0 <= steps["tokens_per_step"] <= 4.0
+        assert steps["steps"]["eager"] >= 12 * 9 / 4
+        assert steps["ms_per_step"] == summary["seconds"] * 1000 / steps["steps"]["eager"]
         printed = capsys.readouterr().out
         assert "TTFT" in printed and "output tok/s" in printed
+        assert "output tokens/step" in printed
         summary = bench.main(
             ["--base-url", url, "--num-prompts", "6", "--input-len", "10", "--output-len", "4",
              "--range-ratio", "0.5", "--request-rate", "50", "--vocab-size", "256"]
         )  # fmt: skip
         assert summary["completed"] == 6 and summary["failed"] == 0
+
+
+def test_engine_steps_are_left_out_for_servers_without_our_metrics():
+    bench = load_benchmark()
+    assert bench.server_counters("http://127.0.0.1:9") is None  # nothing listens there
+    assert bench.step_summary(None, {"generation_tokens": 5.0}, 1.0) is None
+    got = bench.step_summary(
+        {"steps:full": 10.0, "generation_tokens": 100.0},
+        {"steps:full": 30.0, "steps:eager": 5.0, "generation_tokens": 800.0},
+        0.5,
+    )
+    assert got == {"steps": {"full": 20, "eager": 5}, "tokens_per_step": 28.0,
+                   "ms_per_step": 20.0}  # fmt: skip
 
 
 def test_warmup_prompts_are_never_timed_prompts():
