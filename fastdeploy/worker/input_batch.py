@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastdeploy.core.host_staging import StagingSets
+from fastdeploy.core.host_staging import PackedBuffers, StagingSets
 from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -98,21 +98,33 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
-        specs = {
-            "input_ids": ((max_num_tokens,), torch.int64),
-            "positions": ((max_num_tokens,), torch.int64),
-            "slot_mapping": ((max_num_tokens,), torch.int64),
-            "query_start_loc": ((max_num_reqs + 1,), torch.int32),
-            "seq_lens": ((max_num_reqs,), torch.int32),
-            "block_tables": ((max_num_reqs, max_blocks_per_seq), torch.int32),
-            "logits_indices": ((max_num_reqs,), torch.int64),
-            "fed_rows": ((max_num_reqs,), torch.int64),
-            "fed_from": ((max_num_reqs,), torch.int64),
-        }
-        self._staging = StagingSets(specs, device)
-        self._views: dict[int, dict[str, np.ndarray]] = {}
-        for name, (shape, dtype) in specs.items():
-            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        r, t = max_num_reqs, max_num_tokens
+        # One allocation, one copy a step (PackedBuffers): the per-request buffers first, the
+        # per-token ones last, so the copy ends after this step's padded tokens.
+        self._packed = PackedBuffers(
+            {
+                "query_start_loc": (r + 1, torch.int32),
+                "seq_lens": (r, torch.int32),
+                "logits_indices": (r, torch.int64),
+                "fed_rows": (r, torch.int64),
+                "fed_from": (r, torch.int64),
+                "input_ids": (t, torch.int64),
+                "positions": (t, torch.int64),
+                "slot_mapping": (t, torch.int64),
+            },
+            device,
+        )
+        for name, view in self._packed.device_views.items():
+            setattr(self, name, view)
+        # The block table is copied apart, up to the step's last request: its full size
+        # (max_num_seqs x max_blocks_per_seq) can be megabytes.
+        self._tables = StagingSets(
+            {"block_tables": ((max_num_reqs, max_blocks_per_seq), torch.int32)}, device
+        )
+        self.block_tables = torch.zeros(
+            (max_num_reqs, max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def prepare(
         self,
@@ -120,8 +132,8 @@ class InputBuffers:
         padded: int | None = None,
         last_sampled: LastSampled | None = None,
     ) -> StepInputs:
-        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then one
-        non-blocking copy per buffer).
+        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then two
+        non-blocking copies: the packed 1-D buffers and the block table's rows).
 
         The requests are read in one Python pass
         (:func:`~fastdeploy.worker.step_gather.gather_step`) into flat lists that a few
@@ -153,8 +165,7 @@ class InputBuffers:
             )
         step = gather_step(reqs, last_sampled.rows if last_sampled is not None else None)
         self._check_block_tables(reqs, step.num_blocks)
-        staged = self._staging.next()
-        host = self._host_views(staged)
+        host = self._host_views(self._packed.next(), self._tables.next())
         seq_lens = np.array(step.seq_lens, dtype=np.int64)
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
@@ -188,7 +199,7 @@ class InputBuffers:
             last_rows = last_rows[step.sampling]
         host["logits_indices"][:num_sampling] = last_rows
 
-        self._upload(staged, padded, num_reqs, num_sampling, num_fed)
+        self._upload(padded, num_reqs)
         if num_fed:
             fed = last_sampled.token_ids.index_select(0, self.fed_from[:num_fed])
             self.input_ids.index_copy_(0, self.fed_rows[:num_fed], fed)
@@ -217,12 +228,15 @@ class InputBuffers:
             num_fed=num_fed,
         )
 
-    def _host_views(self, staged: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """Numpy views of a pinned set, made once per set (they share its memory)."""
-        key = id(staged)
+    def _host_views(
+        self, packed: dict[str, torch.Tensor], tables: dict[str, torch.Tensor]
+    ) -> dict[str, np.ndarray]:
+        """Numpy views of a pair of host sets, made once per pair (they share its memory)."""
+        key = (id(packed), id(tables))
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = {name: t.numpy() for name, t in staged.items()}
+            both = {**packed, **tables}
+            views = self._views[key] = {name: t.numpy() for name, t in both.items()}
         return views
 
     def _check_block_tables(self, reqs: list[ScheduledRequest], num_blocks: list[int]) -> None:
@@ -234,29 +248,14 @@ class InputBuffers:
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
-    def _upload(
-        self,
-        host: dict[str, torch.Tensor],
-        padded: int,
-        num_reqs: int,
-        num_sampling: int,
-        num_fed: int,
-    ) -> None:
-        """Queue the copies of this step's share of the host set ``host`` (no host wait)."""
-        for name, n in (
-            ("input_ids", padded),
-            ("positions", padded),
-            ("slot_mapping", padded),
-            ("query_start_loc", num_reqs + 1),
-            ("seq_lens", num_reqs),
-            ("block_tables", num_reqs),
-            ("logits_indices", num_sampling),
-            ("fed_rows", num_fed),
-            ("fed_from", num_fed),
-        ):
-            if n:
-                getattr(self, name)[:n].copy_(host[name][:n], non_blocking=True)
-        self._staging.copies_queued()
+    def _upload(self, padded: int, num_reqs: int) -> None:
+        """Queue this step's two copies (no host wait): the packed buffers up to the last padded
+        token row, and the block table's first ``num_reqs`` rows."""
+        self._packed.upload(self._packed.end_of("slot_mapping", padded))
+        if num_reqs:
+            host = self._tables.current()["block_tables"]
+            self.block_tables[:num_reqs].copy_(host[:num_reqs], non_blocking=True)
+        self._tables.copies_queued()
 
 
 @dataclass

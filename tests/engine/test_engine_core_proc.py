@@ -158,7 +158,8 @@ def test_a_killed_server_process_ends_the_engine_process(tiny_dir, tmp_path):
     script = tmp_path / "server.py"
     tests = os.path.dirname(os.path.abspath(__file__))
     script.write_text(CHILD.format(tests=tests, tiny_dir=tiny_dir))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    root = os.path.dirname(os.path.dirname(tests))  # this checkout, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), root])}
     server = subprocess.Popen(
         [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )

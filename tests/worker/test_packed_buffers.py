@@ -1,0 +1,75 @@
+"""PackedBuffers: one allocation, aligned typed views, one prefix copy per upload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdeploy.core.host_staging import PACK_ALIGN, PackedBuffers
+from fastdeploy.worker.input_batch import InputBuffers, dummy_step
+
+SPECS = {
+    "small": (5, torch.int32),
+    "flags": (3, torch.bool),
+    "tokens": (40, torch.int64),
+}
+
+
+def test_views_are_aligned_disjoint_and_typed():
+    packed = PackedBuffers(SPECS, torch.device("cpu"))
+    views = packed.device_views
+    assert [v.dtype for v in views.values()] == [torch.int32, torch.bool, torch.int64]
+    assert [v.numel() for v in views.values()] == [5, 3, 40]
+    base = packed._device.data_ptr()
+    offsets = [v.data_ptr() - base for v in views.values()]
+    assert offsets == [0, PACK_ALIGN, 2 * PACK_ALIGN]
+    assert packed.nbytes == 2 * PACK_ALIGN + 40 * 8
+    views["tokens"].fill_(7)
+    assert int(views["small"].sum()) == 0 and not views["flags"].any()
+
+
+def test_upload_copies_the_prefix_only():
+    packed = PackedBuffers(SPECS, torch.device("cpu"))
+    dev = packed.device_views
+    dev["tokens"].fill_(-1)
+    host = packed.next()
+    host["small"][:] = torch.arange(5, dtype=torch.int32)
+    host["flags"][:] = True
+    host["tokens"][:] = torch.arange(40)
+    packed.upload(packed.end_of("tokens", 10))
+    assert dev["small"].tolist() == [0, 1, 2, 3, 4] and dev["flags"].all()
+    assert dev["tokens"][:10].tolist() == list(range(10))
+    assert (dev["tokens"][10:] == -1).all()  # past the end: the device contents stay
+
+
+def test_end_of_names_the_bad_count():
+    packed = PackedBuffers(SPECS, torch.device("cpu"))
+    assert packed.end_of("small", 0) == 0 and packed.end_of("tokens", 40) == packed.nbytes
+    with pytest.raises(ValueError, match=r"41 elements of 'tokens': allowed 0..40"):
+        packed.end_of("tokens", 41)
+
+
+def test_input_buffers_fill_every_field_of_a_step():
+    """A step of two prefills (5 and 3 new tokens after 4 and 0 cached) and one decode, padded
+    to 16: the packed buffers and the block table hold what the step says."""
+    bufs = InputBuffers(
+        max_num_tokens=32, max_num_reqs=4, max_blocks_per_seq=4, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    sched = dummy_step([5, 3, 1], block_size=4, history=0)
+    sched.scheduled[0].num_computed_tokens = 4
+    req0 = sched.scheduled[0].request
+    req0.prompt_token_ids = list(range(100, 109))
+    req0.block_ids = [7, 8, 9]
+    step = bufs.prepare(sched, padded=16)
+    assert step.num_tokens == 9 and step.padded == 16
+    assert bufs.query_start_loc[:4].tolist() == [0, 5, 8, 9]
+    assert bufs.seq_lens[:3].tolist() == [9, 3, 1]
+    assert step.input_ids[:5].tolist() == [104, 105, 106, 107, 108]
+    assert step.positions[:9].tolist() == [4, 5, 6, 7, 8, 0, 1, 2, 0]
+    assert step.input_ids[9:].tolist() == [0] * 7 and step.positions[9:].tolist() == [0] * 7
+    # request 0: positions 4..8 sit in blocks 8 (4..7) and 9 (8)
+    assert step.batch.slot_mapping[:5].tolist() == [32, 33, 34, 35, 36]
+    assert step.batch.slot_mapping[9:].tolist() == [-1] * 7
+    assert bufs.block_tables[0, :3].tolist() == [7, 8, 9]
+    assert step.logits_indices.tolist() == [4, 7, 8]
