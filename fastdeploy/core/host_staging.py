@@ -104,6 +104,7 @@ class PackedBuffers:
     Attributes:
         device_views: name -> the buffer on ``device`` (a view of the one allocation; its
             address never changes, so CUDA graphs may capture it).
+        staging: the :class:`StagingSets` of the host allocation.
     """
 
     def __init__(self, specs: dict[str, tuple[int, torch.dtype]], device: torch.device) -> None:
@@ -116,7 +117,7 @@ class PackedBuffers:
         self.nbytes = offset
         self._device = torch.zeros(offset, dtype=torch.uint8, device=device)
         self.device_views = self._views(self._device)
-        self._staging = StagingSets({"packed": ((offset,), torch.uint8)}, device)
+        self.staging = StagingSets({"packed": ((offset,), torch.uint8)}, device)
         self._host_views: dict[int, dict[str, torch.Tensor]] = {}
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -128,7 +129,7 @@ class PackedBuffers:
     def next(self) -> dict[str, torch.Tensor]:
         """Host views (name -> tensor on the host, pinned on CUDA) of the set to fill for the
         next :meth:`upload` (waits, rarely, as :meth:`StagingSets.next` does)."""
-        flat = self._staging.next()["packed"]
+        flat = self.staging.next()["packed"]
         views = self._host_views.get(id(flat))
         if views is None:
             views = self._host_views[id(flat)] = self._views(flat)
@@ -144,6 +145,6 @@ class PackedBuffers:
     def upload(self, end: int) -> None:
         """Queue one copy of the current set's bytes ``[0, end)`` to the device (no host wait on
         CUDA); ``end`` from :meth:`end_of`."""
-        flat = self._staging.current()["packed"]
+        flat = self.staging.current()["packed"]
         self._device[:end].copy_(flat[:end], non_blocking=True)
-        self._staging.copies_queued()
+        self.staging.copies_queued()

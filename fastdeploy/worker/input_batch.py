@@ -228,6 +228,12 @@ class InputBuffers:
             num_fed=num_fed,
         )
 
+    @property
+    def staging_sets(self) -> list[StagingSets]:
+        """The pinned host sets the buffers are filled through (the packed 1-D buffers' and the
+        block table's)."""
+        return [self._packed.staging, self._tables]
+
     def _host_views(
         self, packed: dict[str, torch.Tensor], tables: dict[str, torch.Tensor]
     ) -> dict[str, np.ndarray]:

@@ -55,7 +55,7 @@ class SyncWatch:
 
     def __init__(self, engine, monkeypatch) -> None:
         runner = engine.worker.runner
-        self.staging = [runner.buffers._staging, runner.sampling._staging]
+        self.staging = [*runner.buffers.staging_sets, runner.sampling._staging]
         self.sampled: list = []  # the sampled tokens' events (kept alive: ids stay unique)
         self.sampled_waits = 0
         self.other_waits = 0
