@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -125,6 +126,8 @@ class InputBuffers:
             (max_num_reqs, max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        # Per host block table: the column from which it is all zeros (fill_block_tables).
+        self._table_width: dict[int, int] = {}
 
     def prepare(
         self,
@@ -182,7 +185,10 @@ class InputBuffers:
         host["fed_from"][:num_fed] = step.fed_from
 
         tables = host["block_tables"]
-        fill_block_tables(tables[:num_reqs], step.block_ids, step.num_blocks)
+        key = id(tables)
+        self._table_width[key] = fill_block_tables(
+            tables, step.block_ids, step.num_blocks, self._table_width.get(key, tables.shape[1])
+        )
         block_idx = tables[req_of_token, positions // self.block_size]
         slots = host["slot_mapping"]
         slots[:num_tokens] = (
@@ -281,6 +287,9 @@ class RankRequest:
     block_ids: list[int]
     num_tokens: int
     step_token_ids: list[int]
+    #: Tokens still on rank 0's device: none (the overlap schedule is off under tensor
+    #: parallelism, and :func:`rank_step` refuses a request with any).
+    num_output_placeholders: ClassVar[int] = 0
 
     @property
     def num_tokens_with_placeholders(self) -> int:

@@ -58,13 +58,22 @@ def gather_step(reqs: list[ScheduledRequest], last_rows: dict[str, int] | None) 
     token_ids: list[int] = []
     fed_rows: list[int] = []
     fed_from: list[int] = []
+    seq_lens: list[int] = []
+    sampling: list[int] = []
+    sampling_reqs: list[str] = []
+    tables: list[list[int]] = []
     row = 0
-    for s in reqs:
+    for i, s in enumerate(reqs):  # one pass, no per-request property chains: a hot loop
         request = s.request
         start = s.num_computed_tokens
         end = start + s.num_new_tokens
         known = request.num_tokens
         row += s.num_new_tokens
+        seq_lens.append(end)
+        tables.append(request.block_ids)
+        if end == known + request.num_output_placeholders:  # ScheduledRequest.samples
+            sampling.append(i)
+            sampling_reqs.append(request.request_id)
         if end <= known:
             token_ids += token_slice(request, start, end)
             continue
@@ -77,29 +86,42 @@ def gather_step(reqs: list[ScheduledRequest], last_rows: dict[str, int] | None) 
         token_ids.append(0)
         fed_rows.append(row - 1)
         fed_from.append(row_from)
-    sampling = [i for i, s in enumerate(reqs) if s.samples]
-    tables = [s.request.block_ids for s in reqs]
     return HostStep(
         token_ids=token_ids,
-        seq_lens=[s.num_computed_tokens + s.num_new_tokens for s in reqs],
+        seq_lens=seq_lens,
         fed_rows=fed_rows,
         fed_from=fed_from,
         sampling=sampling,
-        sampling_reqs=[reqs[i].request.request_id for i in sampling],
+        sampling_reqs=sampling_reqs,
         block_ids=list(chain.from_iterable(tables)),
         num_blocks=[len(t) for t in tables],
     )
 
 
-def fill_block_tables(tables: np.ndarray, block_ids: list[int], num_blocks: list[int]) -> None:
-    """Write concatenated block tables into ``tables`` int32 ``[num_reqs, max_blocks_per_seq]``
-    (row ``i`` gets the next ``num_blocks[i]`` ids of ``block_ids``, then zeros) with whole-step
-    numpy calls. The caller checked that every table fits a row."""
-    tables[:] = 0
+def fill_block_tables(
+    tables: np.ndarray, block_ids: list[int], num_blocks: list[int], dirty_width: int
+) -> int:
+    """Write a step's concatenated block tables into the first rows of ``tables`` int32
+    ``[max_num_reqs, max_blocks_per_seq]`` (row ``i`` gets the next ``num_blocks[i]`` ids of
+    ``block_ids``, then zeros; rows past the step are zeros) with whole-step numpy calls.
+
+    Only the leading columns are touched: ``dirty_width`` says that every column from it on is
+    already zero in every row (what the previous call on ``tables`` returned; the table's width
+    for a new array). A decode batch's tables are a few dozen blocks wide in a table sized for
+    ``max_model_len``, so this writes a fraction of the array. The caller checked that every
+    table fits a row.
+
+    Returns:
+        The new ``dirty_width``: the step's widest table.
+    """
+    width = max(num_blocks, default=0)
+    tables[:, : max(width, dirty_width)] = 0
     if block_ids:
         # A boolean mask selects row-major, so its True cells take block_ids in order.
         lens = np.array(num_blocks, dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < lens[:, None]] = block_ids
+        rows = tables[: len(num_blocks), :width]
+        rows[np.arange(width) < lens[:, None]] = block_ids
+    return width
 
 
 def token_positions(

@@ -73,3 +73,30 @@ def test_input_buffers_fill_every_field_of_a_step():
     assert step.batch.slot_mapping[9:].tolist() == [-1] * 7
     assert bufs.block_tables[0, :3].tolist() == [7, 8, 9]
     assert step.logits_indices.tolist() == [4, 7, 8]
+
+
+def test_block_tables_equal_a_full_rewrite_over_steps_of_changing_width():
+    """fill_block_tables touches only the leading columns; after any sequence of steps every
+    table equals a from-scratch fill (ids, then zeros; rows past the step zero)."""
+    import random
+
+    import numpy as np
+
+    from fastdeploy.worker.step_gather import fill_block_tables
+
+    rng = random.Random(0)
+    tables = np.full((6, 40), 99, dtype=np.int32)  # garbage: the first call clears it all
+    dirty = tables.shape[1]
+    for step in range(60):
+        num_reqs = rng.randint(0, 6)
+        widest = rng.choice([3, 8, 40]) if step % 7 else 40
+        num_blocks = [rng.randint(0, widest) for _ in range(num_reqs)]
+        block_ids = [rng.randint(1, 1000) for _ in range(sum(num_blocks))]
+        dirty = fill_block_tables(tables, block_ids, num_blocks, dirty)
+        expected = np.zeros_like(tables)
+        at = 0
+        for i, n in enumerate(num_blocks):
+            expected[i, :n] = block_ids[at : at + n]
+            at += n
+        assert (tables == expected).all(), f"step {step}"
+        assert dirty == max(num_blocks, default=0)
