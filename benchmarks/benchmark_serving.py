@@ -27,6 +27,13 @@ without them (vLLM, SGLang, a router) leave the line out.
 
 Percentiles are p50, p95 and p99. Output tokens come from the final usage chunk
 (``stream_options.include_usage``) where the server sends it, else from the chunks' token counts.
+
+Prefix cache. The same ``--seed`` gives the same prompts, and with another ``--input-len`` the
+shorter prompts begin the longer ones, so a second run against the same server finds its prompts
+in the server's prefix cache and its TTFT measures cache hits, not prefills. Where the usage chunk
+carries OpenAI's ``prompt_tokens_details.cached_tokens`` (this server, vLLM), the table says how
+many prompt tokens the cache served and, when any did, warns; use another ``--seed`` (or a server
+without prefix caching) for prefill TTFT.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    #: prompt tokens the server's prefix cache served (``usage.prompt_tokens_details``); 0 when
+    #: the server does not report them (``cached_tokens_reported`` False)
+    cached_tokens: int = 0
+    cached_tokens_reported: bool = False
 
 
 def make_prompts(
@@ -74,7 +85,8 @@ def make_prompts(
 async def run_one(
     client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
 ) -> RequestResult:
-    """Stream one completion and time it."""
+    """Stream one completion and time it; the usage chunk gives the output length and, where
+    the server reports them, the prompt tokens served from its prefix cache."""
     result = RequestResult(len(prompt))
     body = {
         "model": model,
@@ -96,8 +108,13 @@ async def run_one(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
+                usage = chunk.get("usage")
+                if usage:
+                    result.output_len = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = details["cached_tokens"]
+                        result.cached_tokens_reported = True
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
@@ -278,10 +295,13 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def summarize(results: list[RequestResult], seconds: float) -> dict:
-    """The run's throughput and latency summary (latencies in ms)."""
+    """The run's throughput and latency summary (latencies in ms). ``cached_prompt_tokens`` is
+    the sum of the completed requests' prompt tokens from the server's prefix cache, None when
+    none of them carried the count (a server that does not report it)."""
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
+    reported = any(r.cached_tokens_reported for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     return {
         "completed": len(ok),
@@ -293,6 +313,7 @@ def summarize(results: list[RequestResult], seconds: float) -> dict:
         "total_token_throughput": (in_tokens + out_tokens) / seconds,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok) if reported else None,
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles([gap for r in ok for gap in r.itl]),
@@ -322,12 +343,28 @@ def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
         print(
             f"{name.upper():<12} {p['mean']:9.2f} {p['p50']:9.2f} {p['p95']:9.2f} {p['p99']:9.2f}"
         )
+    print_prefix_cache(summary)
     steps = summary.get("engine_steps")
     if steps:
         modes = ", ".join(f"{mode} {n}" for mode, n in sorted(steps["steps"].items()) if n)
         print(
             f"engine steps during the run (server /metrics): {modes or 'none'}; "
             f"{steps['tokens_per_step']:.1f} output tokens/step, {steps['ms_per_step']:.3f} ms/step"
+        )
+
+
+def print_prefix_cache(summary: dict) -> None:
+    """The prompt tokens the server's prefix cache served, when the server reported them, and
+    a warning when there were any: TTFT then measured cache hits, not prefills."""
+    cached, total = summary.get("cached_prompt_tokens"), summary["input_tokens"]
+    if cached is None:
+        return
+    share = 100 * cached / total if total else 0.0
+    print(f"prompt tokens from the server's prefix cache: {cached} of {total} ({share:.1f}%)")
+    if cached > 0:
+        print(
+            "warning: TTFT includes prefix-cache hits (prompts sent before, same --seed); for "
+            "prefill TTFT use another --seed or turn prefix caching off on the server"
         )
 
 

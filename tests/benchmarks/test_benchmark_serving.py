@@ -3,10 +3,12 @@ completes with the asked lengths, and the summary's numbers are consistent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
 
+import httpx
 from support import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,3 +110,75 @@ def test_client_processes_share_the_load():
         assert "--num-clients=5" in str(e) and "1..min" in str(e) and "= 4" in str(e)
     else:
         raise AssertionError("5 client processes for 4 streams were not refused")
+
+
+CACHE_LINE = "prompt tokens from the server's prefix cache:"
+CACHE_WARNING = "TTFT includes prefix-cache hits"
+
+
+def test_prefix_cache_hits_are_counted_and_warned_about(capsys):
+    """The same --seed twice: the second run's prompts are all in the server's prefix cache
+    (whole 16-token blocks below the last token: 32 of each 40-token prompt), and the table says
+    so and warns; another seed, or the first run, prints 0 and no warning. A longer --input-len
+    with the first seed begins with its prompts again."""
+    bench = load_benchmark()
+    common = ["--num-prompts", "4", "--input-len", "40", "--output-len", "3", "--concurrency",
+              "2", "--vocab-size", "256", "--warmup", "1"]  # fmt: skip
+    with serve_in_thread(FakeEngine(step_delay_s=0.001, prefix_block_size=16)) as (url, _):
+        first = bench.main(["--base-url", url, "--seed", "3", *common])
+        printed = capsys.readouterr().out
+        assert first["completed"] == 4 and first["cached_prompt_tokens"] == 0
+        assert f"{CACHE_LINE} 0 of 160 (0.0%)" in printed and CACHE_WARNING not in printed
+
+        again = bench.main(["--base-url", url, "--seed", "3", *common])
+        printed = capsys.readouterr().out
+        assert again["completed"] == 4 and again["cached_prompt_tokens"] == 4 * 32
+        assert f"{CACHE_LINE} 128 of 160 (80.0%)" in printed
+        assert CACHE_WARNING in printed and "another --seed" in printed
+
+        other = bench.main(["--base-url", url, "--seed", "4", *common])
+        printed = capsys.readouterr().out
+        assert other["cached_prompt_tokens"] == 0 and CACHE_WARNING not in printed
+
+        longer = bench.main(["--base-url", url, "--seed", "3", *common, "--input-len", "64"])
+        assert longer["cached_prompt_tokens"] >= 32  # at least the first prompt's 2 blocks
+        assert CACHE_WARNING in capsys.readouterr().out
+
+
+def test_servers_without_cached_tokens_print_no_cache_line(capsys):
+    """A usage without ``prompt_tokens_details`` (an older server) counts as unknown: no line,
+    no warning; a reported count is summed over the completed requests only."""
+    bench = load_benchmark()
+
+    def older_server(request: httpx.Request) -> httpx.Response:
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        events = [{"choices": [{"text": "a"}], "usage": None}, {"choices": [], "usage": usage}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body)
+
+    async def one() -> object:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(older_server)) as client:
+            return await bench.run_one(client, "http://x/v1/completions", "m", [11, 12, 13], 1)
+
+    result = asyncio.run(one())
+    assert result.error is None and result.output_len == 1
+    assert result.cached_tokens == 0 and not result.cached_tokens_reported
+
+    args = bench.build_parser().parse_args([])
+    unknown = [bench.RequestResult(40, 3, 0.01, 0.02, [0.005] * 2)] * 3
+    summary = bench.summarize(unknown, 1.0)
+    assert summary["cached_prompt_tokens"] is None
+    bench.print_table(summary, args, "m")
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed and CACHE_LINE not in printed and CACHE_WARNING not in printed
+
+    reported = [
+        bench.RequestResult(40, 3, 0.01, 0.02, cached_tokens=32, cached_tokens_reported=True),
+        bench.RequestResult(40, 3, 0.01, 0.02, cached_tokens=0, cached_tokens_reported=True),
+        bench.RequestResult(40, error="HTTP 500", cached_tokens=16, cached_tokens_reported=True),
+    ]
+    summary = bench.summarize(reported, 1.0)
+    assert summary["cached_prompt_tokens"] == 32 and summary["input_tokens"] == 80
+    bench.print_table(summary, args, "m")
+    printed = capsys.readouterr().out
+    assert f"{CACHE_LINE} 32 of 80 (40.0%)" in printed and CACHE_WARNING in printed

@@ -5,6 +5,9 @@ output is a fixed function of its prompt, so a batched request must produce exac
 produces alone. Each step emits one token per running request; ``step_delay_s`` makes steps slow
 enough to disconnect in the middle of a stream. Which requests end, and the text they add, is
 decided by the engine's real :class:`~fastdeploy.engine.stop_checker.StopChecker`.
+``prefix_block_size`` turns on a stand-in prefix cache: a request reports as
+``num_cached_tokens`` the longest run of whole blocks of its prompt that an earlier request's
+prompt began with (at most ``len(prompt) - 1`` tokens, as the real cache).
 """
 
 from __future__ import annotations
@@ -65,7 +68,13 @@ class _Plan:
 class FakeEngine:
     """Implements the ``LLMEngine`` methods the server uses; single-threaded like the real one."""
 
-    def __init__(self, max_model_len: int = 128, num_blocks: int = 16, step_delay_s: float = 0.0):
+    def __init__(
+        self,
+        max_model_len: int = 128,
+        num_blocks: int = 16,
+        step_delay_s: float = 0.0,
+        prefix_block_size: int = 0,
+    ):
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = 256
@@ -82,6 +91,8 @@ class FakeEngine:
         self.fail_next_step = False
         self.is_shut_down = False
         self.thread_ids: set[int] = set()
+        self.prefix_block_size = prefix_block_size  # 0: no prefix cache
+        self.cached_prefixes: set[tuple[int, ...]] = set()
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -99,8 +110,23 @@ class FakeEngine:
         request = Request(
             request_id, list(prompt_token_ids), sampling_params, eos_token_ids=frozenset({0})
         )
+        request.num_cached_tokens = self._cache_prefixes(request.prompt_token_ids)
         self.stop_checker.start(request)
         self.requests[request_id] = request
+
+    def _cache_prefixes(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` found in the stand-in prefix cache; caches its whole blocks."""
+        size = self.prefix_block_size
+        if not size:
+            return 0
+        prefixes = [tuple(prompt[:end]) for end in range(size, len(prompt) + 1, size)]
+        hits = 0
+        for prefix in prefixes:
+            if len(prefix) >= len(prompt) or prefix not in self.cached_prefixes:
+                break
+            hits = len(prefix)
+        self.cached_prefixes.update(prefixes)
+        return hits
 
     def abort_request(self, request_id: str) -> bool:
         self._touch()
@@ -138,6 +164,7 @@ class FakeEngine:
                     done,
                     status.value if done else None,
                     request.num_prompt_tokens,
+                    request.num_cached_tokens,
                     new_text=request.detokenizer.take_delta(done),
                     stop_reason=request.stop_reason if done else None,
                 )

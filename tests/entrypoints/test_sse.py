@@ -182,3 +182,30 @@ def test_template_usage_and_choice():
     )
     usage = CompletionResponse(id="id-1", model="m", choices=[], usage=usage_of(3, 4))
     assert template.usage(3, 4) == sse(usage)
+    assert '"prompt_tokens_details": {"cached_tokens": 0}' in template.usage(3, 4)
+    for prompt, cached in ((40, 32), (40, 48)):  # 48: capped to the prompt's 40
+        usage = CompletionResponse(id="id-1", model="m", choices=[],
+                                   usage=usage_of(prompt, 4, cached))  # fmt: skip
+        assert template.usage(prompt, 4, cached) == sse(usage)
+        details = json.loads(template.usage(prompt, 4, cached)[6:])["usage"]
+        assert details["prompt_tokens_details"] == {"cached_tokens": min(cached, prompt)}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_usage_has_the_first_outputs_cached_tokens(endpoint):
+    """The first output's count is the admission that made the first token (what TTFT saw); a
+    later one may come from a re-admission after a preemption, whose lookup also covers the
+    generated tokens (48 here, for a 40-token prompt)."""
+    outs = outputs(["a", "b", "c"], False)
+    for ro, n in zip(outs, (32, 48, 48)):
+        ro.num_cached_tokens = n
+    if endpoint == "chat":
+        handler = OpenAIServingChat(Engine(FakeTokenizer()), "m")
+        events = collect(handler._stream(Stream([outs[:2], outs[2:]]), "c", 40, True, False))
+    else:
+        handler = OpenAIServingCompletion(Engine(FakeTokenizer()), "m")
+        params = SamplingParams()
+        events = collect(handler._stream(Stream([outs[:2], outs[2:]]), "c", 40, True, params))
+    usage = json.loads(events[-1].split("\n\n")[0][len("data: ") :])["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 3

@@ -264,10 +264,19 @@ class CompletionRequest(SamplingFields):
 
 
 # ------------------------------------------------------------------------------------ responses
+class PromptTokensDetails(OpenAIModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` are the prompt tokens whose KV
+    came from the prefix cache (computed for an earlier request), not from this request's
+    prefill."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(OpenAIModel):
@@ -369,12 +378,31 @@ class CompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-    """A :class:`UsageInfo` with the total filled in."""
+def cached_prompt_tokens(num_cached_tokens: int, num_prompt_tokens: int) -> int:
+    """The ``cached_tokens`` a usage reports: a request's ``num_cached_tokens`` (its
+    ``RequestOutput``'s, set by the scheduler at admission: whole KV blocks found in the device
+    prefix cache or swapped in from the host tier), capped to its prompt.
+
+    Which output's count: a streamed response takes its first output's, the admission that made
+    the first token (what TTFT measured); a non-streamed one its finished output's, the only one
+    it reads. They differ only for a request preempted (by recompute) after its first token,
+    whose re-admission looks the prompt up again, with the tokens generated so far: hence the
+    cap, since those are no prompt tokens."""
+    return min(num_cached_tokens, num_prompt_tokens)
+
+
+def usage_of(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+) -> UsageInfo:
+    """A :class:`UsageInfo` with the total and ``prompt_tokens_details.cached_tokens``
+    (:func:`cached_prompt_tokens` of ``num_cached_tokens``) filled in. All counts are tokens of
+    one request: this server answers one prompt and one choice (``n=1``) per request."""
+    cached = cached_prompt_tokens(num_cached_tokens, num_prompt_tokens)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

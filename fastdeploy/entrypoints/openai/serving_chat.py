@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=comp.finish_reason,
                 )
             ],
-            usage=usage_of(len(prompt_ids), len(comp.token_ids)),
+            usage=usage_of(len(prompt_ids), len(comp.token_ids), final.num_cached_tokens),
         )
         return JSONResponse(with_kv_transfer_params(dump(body), final))
 
@@ -124,14 +124,18 @@ class OpenAIServingChat(OpenAIServing):
         """Server-sent events: a role chunk, one chunk per step with new text, the finish reason,
         an optional usage chunk, then ``[DONE]``. An engine failure becomes an error event. Each
         chunk is a ``ChatCompletionChunk`` with one choice, encoded through a
-        :class:`ChunkTemplate`."""
+        :class:`ChunkTemplate`. The usage's ``cached_tokens`` are the first output's
+        (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
         template = ChunkTemplate(
             request_id, "chat.completion.chunk", int(time.time()), self.served_model_name
         )
         num_tokens = 0
+        num_cached = -1
 
         def render(ro: Any) -> str:
-            nonlocal num_tokens
+            nonlocal num_tokens, num_cached
+            if num_cached < 0:
+                num_cached = ro.num_cached_tokens
             comp = ro.outputs[0]
             num_tokens += len(comp.delta_token_ids)
             logprobs = None
@@ -147,6 +151,8 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         def closing() -> str:
-            return template.usage(num_prompt_tokens, num_tokens) if include_usage else ""
+            if not include_usage:
+                return ""
+            return template.usage(num_prompt_tokens, num_tokens, max(num_cached, 0))
 
         return stream_events(stream, render, closing, first=template.choice(ROLE_FIELDS))

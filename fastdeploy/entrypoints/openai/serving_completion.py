@@ -101,7 +101,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id,
             model=self.served_model_name,
             choices=[choice],
-            usage=usage_of(len(prompt_ids), len(comp.token_ids)),
+            usage=usage_of(len(prompt_ids), len(comp.token_ids), final.num_cached_tokens),
         )
         return JSONResponse(with_kv_transfer_params(dump(body), final))
 
@@ -120,7 +120,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """Server-sent events: one chunk per step with new text (or new token ids without a
         tokenizer; the last chunk carries the finish reason), an optional usage chunk, then
         ``[DONE]``. Each chunk is a ``CompletionResponse`` with one choice, encoded through a
-        :class:`ChunkTemplate`."""
+        :class:`ChunkTemplate`. The usage's ``cached_tokens`` are the first output's
+        (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
         template = ChunkTemplate(
             request_id, "text_completion", int(time.time()), self.served_model_name
         )
@@ -128,9 +129,12 @@ class OpenAIServingCompletion(OpenAIServing):
         with_logprobs = params.logprobs is not None
         offsets = self.text_offsets(params)
         num_tokens = 0
+        num_cached = -1
 
         def render(ro: Any) -> str:
-            nonlocal num_tokens
+            nonlocal num_tokens, num_cached
+            if num_cached < 0:
+                num_cached = ro.num_cached_tokens
             comp = ro.outputs[0]
             num_tokens += len(comp.delta_token_ids)
             logprobs = None
@@ -153,6 +157,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return template.choice(fields)
 
         def closing() -> str:
-            return template.usage(num_prompt_tokens, num_tokens) if include_usage else ""
+            if not include_usage:
+                return ""
+            return template.usage(num_prompt_tokens, num_tokens, max(num_cached, 0))
 
         return stream_events(stream, render, closing)

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastdeploy.engine.async_engine import RequestStream
 from fastdeploy.entrypoints.openai.errors import api_error_from
+from fastdeploy.entrypoints.openai.protocol import cached_prompt_tokens
 
 #: The event that ends every stream.
 DONE = "data: [DONE]\n\n"
@@ -64,12 +65,18 @@ class ChunkTemplate:
         ``"index": 0`` as JSON (``'"text": "a", "logprobs": null, "finish_reason": null'``)."""
         return self.head + fields + self.tail
 
-    def usage(self, num_prompt_tokens: int, num_completion_tokens: int) -> str:
-        """The closing event with no choice and the usage (``stream_options.include_usage``)."""
+    def usage(
+        self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+    ) -> str:
+        """The closing event with no choice and the usage (``stream_options.include_usage``):
+        what :func:`~fastdeploy.entrypoints.openai.protocol.usage_of` gives for the same counts
+        (tokens), ``prompt_tokens_details.cached_tokens`` included."""
         total = num_prompt_tokens + num_completion_tokens
+        cached = cached_prompt_tokens(num_cached_tokens, num_prompt_tokens)
         return (
             f'data: {self.top}"choices": [], "usage": {{"prompt_tokens": {num_prompt_tokens}, '
-            f'"completion_tokens": {num_completion_tokens}, "total_tokens": {total}}}}}\n\n'
+            f'"completion_tokens": {num_completion_tokens}, "total_tokens": {total}, '
+            f'"prompt_tokens_details": {{"cached_tokens": {cached}}}}}}}\n\n'
         )
 
 
