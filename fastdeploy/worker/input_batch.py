@@ -100,8 +100,8 @@ class InputBuffers:
         self.block_size = block_size
         self.device = device
         r, t = max_num_reqs, max_num_tokens
-        # One allocation, one copy a step (PackedBuffers): the per-request buffers first, the
-        # per-token ones last, so the copy ends after this step's padded tokens.
+        # One allocation, one to three copies a step (PackedBuffers): the per-request buffers
+        # first (they merge into one copy), then the per-token ones.
         self._packed = PackedBuffers(
             {
                 "query_start_loc": (r + 1, torch.int32),
@@ -126,8 +126,9 @@ class InputBuffers:
             (max_num_reqs, max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        # Per host block table: the column from which it is all zeros (fill_block_tables).
-        self._table_width: dict[int, int] = {}
+        # Per host block table (by address): the corner outside which it is all zeros
+        # (fill_block_tables).
+        self._table_dirty: dict[int, tuple[int, int]] = {}
 
     def prepare(
         self,
@@ -135,8 +136,8 @@ class InputBuffers:
         padded: int | None = None,
         last_sampled: LastSampled | None = None,
     ) -> StepInputs:
-        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then two
-        non-blocking copies: the packed 1-D buffers and the block table's rows).
+        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then a few
+        non-blocking copies: the packed 1-D buffers' used parts and the block table's rows).
 
         The requests are read in one Python pass
         (:func:`~fastdeploy.worker.step_gather.gather_step`) into flat lists that a few
@@ -185,9 +186,9 @@ class InputBuffers:
         host["fed_from"][:num_fed] = step.fed_from
 
         tables = host["block_tables"]
-        key = id(tables)
-        self._table_width[key] = fill_block_tables(
-            tables, step.block_ids, step.num_blocks, self._table_width.get(key, tables.shape[1])
+        key = tables.ctypes.data  # the set's memory, not the view object
+        self._table_dirty[key] = fill_block_tables(
+            tables, step.block_ids, step.num_blocks, self._table_dirty.get(key, tables.shape)
         )
         block_idx = tables[req_of_token, positions // self.block_size]
         slots = host["slot_mapping"]
@@ -205,7 +206,7 @@ class InputBuffers:
             last_rows = last_rows[step.sampling]
         host["logits_indices"][:num_sampling] = last_rows
 
-        self._upload(padded, num_reqs)
+        self._upload(padded, num_reqs, num_sampling, num_fed)
         if num_fed:
             fed = last_sampled.token_ids.index_select(0, self.fed_from[:num_fed])
             self.input_ids.index_copy_(0, self.fed_rows[:num_fed], fed)
@@ -260,10 +261,22 @@ class InputBuffers:
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
-    def _upload(self, padded: int, num_reqs: int) -> None:
-        """Queue this step's two copies (no host wait): the packed buffers up to the last padded
-        token row, and the block table's first ``num_reqs`` rows."""
-        self._packed.upload(self._packed.end_of("slot_mapping", padded))
+    def _upload(self, padded: int, num_reqs: int, num_sampling: int, num_fed: int) -> None:
+        """Queue this step's copies (no host wait): the packed buffers' used parts (one copy
+        when ``max_num_tokens`` is small, see :class:`PackedBuffers`), and the block table's
+        first ``num_reqs`` rows."""
+        self._packed.upload(
+            {
+                "query_start_loc": num_reqs + 1,
+                "seq_lens": num_reqs,
+                "logits_indices": num_sampling,
+                "fed_rows": num_fed,
+                "fed_from": num_fed,
+                "input_ids": padded,
+                "positions": padded,
+                "slot_mapping": padded,
+            }
+        )
         if num_reqs:
             host = self._tables.current()["block_tables"]
             self.block_tables[:num_reqs].copy_(host[:num_reqs], non_blocking=True)

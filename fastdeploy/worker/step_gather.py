@@ -99,29 +99,29 @@ def gather_step(reqs: list[ScheduledRequest], last_rows: dict[str, int] | None) 
 
 
 def fill_block_tables(
-    tables: np.ndarray, block_ids: list[int], num_blocks: list[int], dirty_width: int
-) -> int:
+    tables: np.ndarray, block_ids: list[int], num_blocks: list[int], dirty: tuple[int, int]
+) -> tuple[int, int]:
     """Write a step's concatenated block tables into the first rows of ``tables`` int32
     ``[max_num_reqs, max_blocks_per_seq]`` (row ``i`` gets the next ``num_blocks[i]`` ids of
     ``block_ids``, then zeros; rows past the step are zeros) with whole-step numpy calls.
 
-    Only the leading columns are touched: ``dirty_width`` says that every column from it on is
-    already zero in every row (what the previous call on ``tables`` returned; the table's width
-    for a new array). A decode batch's tables are a few dozen blocks wide in a table sized for
-    ``max_model_len``, so this writes a fraction of the array. The caller checked that every
-    table fits a row.
+    Only a corner of the array is touched: ``dirty = (rows, width)`` says that every cell
+    outside ``tables[:rows, :width]`` is already zero (what the previous call on ``tables``
+    returned; the array's shape for a new array). A decode batch's tables are a few dozen
+    blocks wide in an array sized for ``max_num_seqs`` requests of ``max_model_len`` tokens, so
+    this writes a fraction of it. The caller checked that every table fits a row.
 
     Returns:
-        The new ``dirty_width``: the step's widest table.
+        The new ``dirty``: the step's requests and its widest table.
     """
-    width = max(num_blocks, default=0)
-    tables[:, : max(width, dirty_width)] = 0
+    num_reqs, width = len(num_blocks), max(num_blocks, default=0)
+    tables[: max(num_reqs, dirty[0]), : max(width, dirty[1])] = 0
     if block_ids:
         # A boolean mask selects row-major, so its True cells take block_ids in order.
         lens = np.array(num_blocks, dtype=np.int64)
-        rows = tables[: len(num_blocks), :width]
+        rows = tables[:num_reqs, :width]
         rows[np.arange(width) < lens[:, None]] = block_ids
-    return width
+    return num_reqs, width
 
 
 def token_positions(

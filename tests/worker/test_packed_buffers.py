@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy.core.host_staging import PACK_ALIGN, PackedBuffers
+from fastdeploy.core.host_staging import MERGE_GAP_BYTES, PACK_ALIGN, PackedBuffers
 from fastdeploy.worker.input_batch import InputBuffers, dummy_step
 
 SPECS = {
@@ -28,25 +28,39 @@ def test_views_are_aligned_disjoint_and_typed():
     assert int(views["small"].sum()) == 0 and not views["flags"].any()
 
 
-def test_upload_copies_the_prefix_only():
+def test_upload_copies_the_used_parts_only():
     packed = PackedBuffers(SPECS, torch.device("cpu"))
     dev = packed.device_views
     dev["tokens"].fill_(-1)
+    dev["flags"].fill_(False)
     host = packed.next()
     host["small"][:] = torch.arange(5, dtype=torch.int32)
     host["flags"][:] = True
     host["tokens"][:] = torch.arange(40)
-    packed.upload(packed.end_of("tokens", 10))
-    assert dev["small"].tolist() == [0, 1, 2, 3, 4] and dev["flags"].all()
+    assert packed.upload({"small": 5, "tokens": 10}) == 1  # small gaps: one copy
+    assert dev["small"].tolist() == [0, 1, 2, 3, 4]
+    assert dev["flags"].all()  # in the gap: copied along (stale bytes, never read)
     assert dev["tokens"][:10].tolist() == list(range(10))
-    assert (dev["tokens"][10:] == -1).all()  # past the end: the device contents stay
+    assert (dev["tokens"][10:] == -1).all()  # past the used part: the device contents stay
 
 
-def test_end_of_names_the_bad_count():
-    packed = PackedBuffers(SPECS, torch.device("cpu"))
-    assert packed.end_of("small", 0) == 0 and packed.end_of("tokens", 40) == packed.nbytes
-    with pytest.raises(ValueError, match=r"41 elements of 'tokens': allowed 0..40"):
-        packed.end_of("tokens", 41)
+def test_far_apart_parts_are_separate_copies_and_bad_counts_are_named():
+    big = 3 * MERGE_GAP_BYTES // 8  # int64 elements: a buffer wider than the merge gap
+    packed = PackedBuffers(
+        {"a": (4, torch.int64), "b": (big, torch.int64), "c": (big, torch.int64)},
+        torch.device("cpu"),
+    )
+    b_start = packed.ranges({"b": 1})[0][0]
+    c_start = packed.ranges({"c": 1})[0][0]
+    assert packed.ranges({"a": 4, "b": 2}) == [(0, b_start + 16)]  # gap < 64 KiB: merged
+    assert packed.ranges({"a": 4, "b": 2, "c": 3}) == [(0, b_start + 16), (c_start, c_start + 24)]
+    assert packed.ranges({"b": big, "c": 1}) == [(b_start, c_start + 8)]  # adjacent: merged
+    host = packed.next()
+    host["c"][:3] = torch.tensor([5, 6, 7])
+    assert packed.upload({"a": 4, "b": 2, "c": 3}) == 2
+    assert packed.device_views["c"][:3].tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match=rf"{big + 1} elements of 'b': allowed 0..{big}"):
+        packed.ranges({"b": big + 1})
 
 
 def test_input_buffers_fill_every_field_of_a_step():
@@ -86,7 +100,7 @@ def test_block_tables_equal_a_full_rewrite_over_steps_of_changing_width():
 
     rng = random.Random(0)
     tables = np.full((6, 40), 99, dtype=np.int32)  # garbage: the first call clears it all
-    dirty = tables.shape[1]
+    dirty = tables.shape
     for step in range(60):
         num_reqs = rng.randint(0, 6)
         widest = rng.choice([3, 8, 40]) if step % 7 else 40
@@ -99,4 +113,4 @@ def test_block_tables_equal_a_full_rewrite_over_steps_of_changing_width():
             expected[i, :n] = block_ids[at : at + n]
             at += n
         assert (tables == expected).all(), f"step {step}"
-        assert dirty == max(num_blocks, default=0)
+        assert dirty == (num_reqs, max(num_blocks, default=0))
