@@ -28,9 +28,10 @@ without them (vLLM, SGLang, a router) leave the line out.
 Percentiles are p50, p95 and p99. Output tokens come from the final usage chunk
 (``stream_options.include_usage``) where the server sends it, else from the chunks' token counts.
 
-Prefix cache. The same ``--seed`` gives the same prompts, and with another ``--input-len`` the
-shorter prompts begin the longer ones, so a second run against the same server finds its prompts
-in the server's prefix cache and its TTFT measures cache hits, not prefills. Where the usage chunk
+Prefix cache. The same ``--seed`` and lengths give the same prompts (with another
+``--input-len``, the first prompt of the shorter run begins the first of the longer one), so a
+second run against the same server finds its prompts in the server's prefix cache and its TTFT
+measures cache hits, not prefills. Where the usage chunk
 carries OpenAI's ``prompt_tokens_details.cached_tokens`` (this server, vLLM), the table says how
 many prompt tokens the cache served and, when any did, warns; use another ``--seed`` (or a server
 without prefix caching) for prefill TTFT.

@@ -123,7 +123,11 @@ class Request:
       * ``num_prompt_tokens``: ``len(prompt_token_ids)``;
       * ``num_tokens``: prompt plus generated tokens so far;
       * ``num_computed_tokens``: tokens whose KV is in the cache (including ``num_cached_tokens``);
-      * ``num_cached_tokens``: prompt tokens found in the prefix cache at admission;
+      * ``num_cached_tokens``: prompt tokens found in the prefix cache (or the host tier) at
+        admission, reset when the request is preempted and looked up again at re-admission;
+      * ``first_num_cached_tokens``: ``num_cached_tokens`` of the first admission (None before
+        it), what outputs and the usage report (as vLLM does): a re-admission after a
+        preemption mostly finds the request's own freed blocks, which no other request computed;
       * ``num_output_placeholders``: tokens sampled by steps still in flight (overlap schedule),
         whose ids the host does not know yet; they count as scheduled, never as output.
 
@@ -147,6 +151,7 @@ class Request:
     output_logprobs: list[dict] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    first_num_cached_tokens: int | None = None
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -162,6 +167,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """Prompt tokens reported as cached: the first admission's count
+        (``first_num_cached_tokens``), or the current one before any admission."""
+        first = self.first_num_cached_tokens
+        return self.num_cached_tokens if first is None else first
 
     @property
     def num_tokens(self) -> int:

@@ -380,7 +380,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             finished,
             status.value if finished else None,
             request.num_prompt_tokens,
-            request.num_cached_tokens,
+            request.reported_cached_tokens,
             new_text=detok.take_delta(finished) if detok is not None else "",
             stop_reason=request.stop_reason if finished else None,
             kv_transfer_params=kv_params,

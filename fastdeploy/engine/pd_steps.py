@@ -123,7 +123,7 @@ class PDStepMixin:
             True,
             RequestStatus.FINISHED_ABORTED.value,
             request.num_prompt_tokens,
-            request.num_cached_tokens,
+            request.reported_cached_tokens,
             error=error,
         )
 

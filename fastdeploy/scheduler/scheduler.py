@@ -343,6 +343,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
                     self._undo_admission(request)
                     break
                 self.waiting.popleft()
+                _note_first_admission(request)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_remote_kv[request.request_id] = request
                 self._new_remote_loads.append(request)
@@ -361,7 +362,9 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
                 self._undo_admission(request)
                 break
             self.waiting.popleft()
-            if host_hits and self._start_swap_in(request, host_hits):
+            waits = bool(host_hits) and self._start_swap_in(request, host_hits)
+            _note_first_admission(request)
+            if waits:
                 continue  # waits in WAITING_FOR_SWAP_IN, spending no budget
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -403,3 +406,10 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             request.finish_time = time.monotonic()
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+def _note_first_admission(request: Request) -> None:
+    """Keep the cached-token count of a request's first admission (``first_num_cached_tokens``:
+    the one outputs report), once its device and host-tier hits are counted."""
+    if request.first_num_cached_tokens is None:
+        request.first_num_cached_tokens = request.num_cached_tokens

@@ -169,7 +169,8 @@ def test_prefix_hit_on_admission():
     sched.add_request(b)
     out = step(sched)
     assert shape(out) == [("a", 14, 1), ("b", 8, 6)]
-    assert b.num_cached_tokens == 8
+    assert b.num_cached_tokens == 8 and b.reported_cached_tokens == 8
+    assert a.first_num_cached_tokens == 0
     assert b.block_ids[:2] == a.block_ids[:2]
     assert [kv.block_pool.ref_count(x) for x in b.block_ids[:2]] == [3, 3]
     assert b.block_ids[2] != a.block_ids[2]
@@ -284,6 +285,8 @@ def test_preemption_by_recompute():
     out = step(sched)
     assert shape(out) == [("b", 4, 5)]
     assert b.num_cached_tokens == 4
+    # Outputs report the first admission's hits (none): the re-admission found b's own block.
+    assert b.first_num_cached_tokens == 0 and b.reported_cached_tokens == 0
     assert out.finished_request_ids == ["a"]
     assert b.output_token_ids == [1007, 1008, 1009]
     assert b.is_finished

@@ -380,14 +380,13 @@ class CompletionResponse(OpenAIModel):
 
 def cached_prompt_tokens(num_cached_tokens: int, num_prompt_tokens: int) -> int:
     """The ``cached_tokens`` a usage reports: a request's ``num_cached_tokens`` (its
-    ``RequestOutput``'s, set by the scheduler at admission: whole KV blocks found in the device
-    prefix cache or swapped in from the host tier), capped to its prompt.
+    ``RequestOutput``'s: whole KV blocks found in the device prefix cache or swapped in from the
+    host tier at its first admission, ``Request.reported_cached_tokens``), capped to its prompt.
 
-    Which output's count: a streamed response takes its first output's, the admission that made
-    the first token (what TTFT measured); a non-streamed one its finished output's, the only one
-    it reads. They differ only for a request preempted (by recompute) after its first token,
-    whose re-admission looks the prompt up again, with the tokens generated so far: hence the
-    cap, since those are no prompt tokens."""
+    Streamed responses take their first output's count and non-streamed ones their finished
+    output's; both carry the first admission's count, also for a request preempted by
+    recompute (whose re-admission would find its own freed blocks). The cap is a guard: a count
+    never exceeds the prompt."""
     return min(num_cached_tokens, num_prompt_tokens)
 
 
