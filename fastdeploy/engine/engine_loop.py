@@ -12,7 +12,8 @@ emits each step's outputs and stats as messages. It never waits on HTTP. The sam
 Messages are ``(kind, *args)`` tuples, handled by
 :class:`~fastdeploy.engine.async_engine.AsyncLLMEngine`:
 
-* ``("stats", stats)``: the engine's counters (``LLMEngine.get_stats``);
+* ``("stats", stats)``: the engine's counters (``LLMEngine.get_stats``), at start and after
+  commands that no step follows (a step's own message carries them otherwise);
 * ``("step", outputs, stats, now)``: one step's ``EngineOutput`` list, the counters after it and
   the ``time.monotonic()`` it ended (the clock is shared by the processes of one host);
 * ``("fail", request_id, error)``: the engine refused a queued request;
@@ -101,17 +102,21 @@ class EngineLoop:
                 busy = engine.has_unfinished_requests() and not getattr(
                     engine, "last_step_idle", False
                 )
-                if not self._drain(block=not busy):
+                changed = self._drain(block=not busy)
+                if changed is None:
                     return
                 if engine.has_unfinished_requests() or background():
                     outputs = engine.step()
                     self.emit("step", outputs, engine.get_stats(), time.monotonic())
+                elif changed:  # no step message will carry the counters (an abort when idle)
+                    self.emit("stats", engine.get_stats())
         except BaseException as e:  # noqa: BLE001 - report any failure to the waiting clients
             logger.exception("engine loop failed")
             self.emit("dead", e)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; wait for one first when ``block``. False means stop."""
+    def _drain(self, block: bool) -> bool | None:
+        """Apply queued commands; wait for one first when ``block``. Returns whether an add or
+        an abort was applied, or None for :class:`StopLoop`."""
         changed = False
         while True:
             try:
@@ -122,7 +127,7 @@ class EngineLoop:
                 break  # idle: let the loop check background work, then wait again
             block = False
             if isinstance(cmd, StopLoop):
-                return False
+                return None
             if isinstance(cmd, Wake):
                 continue
             changed = True
@@ -130,9 +135,7 @@ class EngineLoop:
                 self._add(cmd)
             elif isinstance(cmd, AbortRequest):
                 self.engine.abort_request(cmd.request_id)
-        if changed:
-            self.emit("stats", self.engine.get_stats())
-        return True
+        return changed
 
     def _add(self, cmd: AddRequest) -> None:
         try:

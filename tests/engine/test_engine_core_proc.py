@@ -279,3 +279,50 @@ def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monke
             assert got == [AbortRequest("r"), StopLoop()] and exits == []
         else:
             assert got == [AbortRequest("r")] and exits == [1]
+
+
+def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follows():
+    """Adds that a step follows reach the server as that step's message only (its counters
+    ride along); an add and abort when idle get a stats message of their own."""
+    import queue
+
+    from fastdeploy.engine.engine_loop import AbortRequest, AddRequest, EngineLoop, StopLoop
+
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(max_tokens=1)
+
+    class Stub:
+        pending: list[str] = []
+        steps = 0
+
+        def add_request(self, request_id, prompt_token_ids, sampling_params):
+            self.pending.append(request_id)
+
+        def abort_request(self, request_id):
+            self.pending.remove(request_id)
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):  # finishes every request; then "c" comes and goes while idle
+            self.steps += 1
+            done = [EngineOutput(r, [1], None, True, "length") for r in self.pending]
+            self.pending = []
+            commands.put(AddRequest("c", [1], params))
+            commands.put(AbortRequest("c"))
+            return done
+
+        def get_stats(self):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 3:  # the idle stats message: then stop
+                commands.put(StopLoop())
+            return {"num_running": len(self.pending), "steps": self.steps}
+
+    for cmd in (AddRequest("a", [1], params), AddRequest("b", [1], params), AbortRequest("b")):
+        commands.put(cmd)
+    sent: list[tuple] = []
+    EngineLoop(Stub(), commands, lambda kind, *args: sent.append((kind, *args))).run()
+    assert [m[0] for m in sent] == ["stats", "step", "stats"]
+    assert [o.request_id for o in sent[1][1]] == ["a"]
+    assert sent[1][2] == {"num_running": 0, "steps": 1}
+    assert sent[2][1] == {"num_running": 0, "steps": 1}
