@@ -126,7 +126,7 @@ class InputBuffers:
             (max_num_reqs, max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        # Per host block table (by address): the corner outside which it is all zeros
+        # Per host block-table set: the corner outside which it is all zeros
         # (fill_block_tables).
         self._table_dirty: dict[int, tuple[int, int]] = {}
 
@@ -186,7 +186,7 @@ class InputBuffers:
         host["fed_from"][:num_fed] = step.fed_from
 
         tables = host["block_tables"]
-        key = tables.ctypes.data  # the set's memory, not the view object
+        key = id(self._tables.current())  # the block-table set itself, not a view of it
         self._table_dirty[key] = fill_block_tables(
             tables, step.block_ids, step.num_blocks, self._table_dirty.get(key, tables.shape)
         )
