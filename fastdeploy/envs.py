@@ -153,6 +153,27 @@ FD_USE_FUSED_OPS = EnvVar(
     "Read once per process, when the first such layer runs.",
 )
 
+FD_USE_SKINNY_GEMM = EnvVar(
+    "FD_USE_SKINNY_GEMM",
+    "bool",
+    parse_bool,
+    True,
+    "On CUDA with Triton, run linear layers without bias whose input has at most 16 rows (decode "
+    "at small batches, short prefills) as the project's Triton kernel "
+    "(custom_ops/skinny_gemm.py) instead of cuBLAS. 0 keeps cuBLAS. Read once per process, when "
+    "the first such layer runs.",
+)
+FD_FLASHINFER_USE_TENSOR_CORES = EnvVar(
+    "FD_FLASHINFER_USE_TENSOR_CORES",
+    "bool | None",
+    parse_bool,
+    None,
+    "Decode attention on flashinfer's tensor-core kernel (1) or its CUDA-core decode kernel (0). "
+    "Unset, the backend picks by the GQA group size (query heads per KV head; see "
+    "FlashInferAttentionBackend). 0 with a group the CUDA-core kernel lacks (only 1, 2, 3, 4 "
+    "and 8 exist) stops start-up. The same switch as SGLang's SGLANG_FLASHINFER_USE_TENSOR_CORE.",
+)
+
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from custom_ops.kv_cache_ops import write_kv_cache
+from fastdeploy import envs
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
@@ -66,6 +67,36 @@ class FlashInferMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor | None
     graph_batch_size: int = 0
+
+
+#: GQA groups (query heads per KV head) that flashinfer's CUDA-core decode kernel is built for.
+CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 8)
+#: Smallest GQA group that decodes on tensor cores when FD_FLASHINFER_USE_TENSOR_CORES is unset.
+TENSOR_CORE_MIN_GROUP = 4
+
+
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode steps run flashinfer's tensor-core kernel (its prefill kernel with the
+    group's query heads packed as rows) instead of its CUDA-core decode kernel.
+
+    ``FD_FLASHINFER_USE_TENSOR_CORES`` decides when set. Unset: groups of at least
+    :data:`TENSOR_CORE_MIN_GROUP` query heads per KV head, and any group the CUDA-core kernel
+    lacks (:data:`CUDA_CORE_DECODE_GROUPS`).
+
+    Raises:
+        ValueError: the variable asks for the CUDA-core kernel with a group it lacks.
+    """
+    group = num_heads // num_kv_heads
+    forced = envs.FD_FLASHINFER_USE_TENSOR_CORES()
+    if forced is False and group not in CUDA_CORE_DECODE_GROUPS:
+        raise ValueError(
+            f"FD_FLASHINFER_USE_TENSOR_CORES=0 needs flashinfer's CUDA-core decode kernel, which "
+            f"has no GQA group of {group} query heads per KV head ({num_heads}/{num_kv_heads}); "
+            f"groups it has: {', '.join(map(str, CUDA_CORE_DECODE_GROUPS))}"
+        )
+    if forced is not None:
+        return forced
+    return group >= TENSOR_CORE_MIN_GROUP or group not in CUDA_CORE_DECODE_GROUPS
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -129,10 +160,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self.max_num_reqs = max_num_reqs
         self.max_num_blocks = max_num_blocks
-        # flashinfer's CUDA-core decode kernel exists for GQA groups 1, 2, 3, 4 and 8 only; the
-        # tensor-core path (its prefill kernel) handles any group and is faster for large ones
-        # (the same rule as vLLM's flashinfer backend).
-        self.use_tensor_cores = num_heads // num_kv_heads > 4
+        self.use_tensor_cores = decode_uses_tensor_cores(num_heads, num_kv_heads)
         dev = self.device
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         size = float_workspace_bytes(num_heads, num_kv_heads, head_dim, num_sms)
