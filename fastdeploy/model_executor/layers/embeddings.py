@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy.model_executor.layers.linear import linear
+
 
 class VocabEmbedding(nn.Module):
     """Token ids ``[T]`` int64 -> ``[T, embedding_dim]`` in the parameter dtype.
@@ -54,7 +56,7 @@ class LMHead(nn.Module):
         self.tied = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+        return linear(hidden_states, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

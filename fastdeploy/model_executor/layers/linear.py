@@ -7,11 +7,59 @@ knows the output rows of each *shard* and loads or exports one shard at a time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from custom_ops.skinny_gemm import skinny_linear_triton, use_skinny
+from fastdeploy import envs
+
+
+@functools.lru_cache(maxsize=1)
+def skinny_gemm_enabled() -> bool:
+    """Whether ``FD_USE_SKINNY_GEMM`` is on in this process (cached; ``cache_clear()`` re-reads).
+
+    Raises:
+        ValueError: the variable is set to a value that is not a boolean.
+    """
+    return envs.FD_USE_SKINNY_GEMM()
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``.
+
+    Without a bias, on CUDA, for 1 to 16 rows of ``x`` (see
+    :func:`custom_ops.skinny_gemm.use_skinny`) and with ``FD_USE_SKINNY_GEMM`` on, the Triton
+    kernel of :mod:`custom_ops.skinny_gemm`; otherwise cuBLAS (``F.linear``, or ``torch.mm`` /
+    ``torch.addmm`` into ``out``). Inside ``torch.compile`` (graph_opt_level 1 and 2) always
+    the torch op, which Inductor lowers its own way.
+
+    Args:
+        out: optional ``[T, N]`` tensor of the weight's dtype and device to write the result
+            into; ``x`` must then be 2-D.
+    """
+    if (
+        bias is None
+        and x.is_cuda
+        and not torch.compiler.is_compiling()
+        and skinny_gemm_enabled()
+        and use_skinny(x, weight)
+        and (out is None or out.stride(1) == 1)
+    ):
+        return skinny_linear_triton(x, weight, out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -59,11 +107,7 @@ class Linear(nn.Module):
                 the result into (a persistent buffer, e.g. the piecewise segments' QKV buffer,
                 so that no copy follows the matmul); ``x`` must then be 2-D.
         """
-        if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return linear(x, self.weight, self.bias, out)
 
     def _param(self, param_name: str) -> torch.Tensor:
         param = getattr(self, param_name, None)

@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from fastdeploy.distributed.parallel_state import TPGroup, all_gather_last_dim, all_reduce
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
-from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+from fastdeploy.model_executor.layers.linear import (
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    copy_weight,
+    linear,
+)
 
 
 def tp_rank_world(tp: TPGroup | None) -> tuple[int, int]:
@@ -158,8 +164,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+            return linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = all_reduce(linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
     def load_weight(
@@ -240,5 +246,5 @@ class ParallelLMHead(_VocabRange, LMHead):
         super().__init__(per_rank, hidden_size, dtype=dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden_states, self.weight)
+        local = linear(hidden_states, self.weight)
         return all_gather_last_dim(local, self.tp)[..., : self.full_vocab]

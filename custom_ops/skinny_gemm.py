@@ -1,0 +1,210 @@
+"""``y = x @ w.T`` for a few rows of ``x`` (a decode step, a short prefill): a Triton kernel that
+reads the weight at the GPU's memory bandwidth.
+
+At one to sixteen tokens a linear layer is a matrix-vector product: it reads its whole weight and
+does almost no arithmetic, so its time is the weight's bytes over the memory bandwidth. cuBLAS
+tiles such a product by 64 or 128 output rows, which leaves the smaller projections of a layer
+with fewer tiles than the GPU has SMs (a Llama-3-8B query/key/value projection at batch 1:
+48 to 96 tiles on an H200's 132 SMs), or splits ``K`` and adds a reduction kernel. Here one program
+owns a block of 16 to 64 output rows over the whole ``K`` (no split, no second kernel), so a
+4,096-row projection runs as 128 programs or more, each streaming its rows through a software
+pipeline; :func:`pick_config` picks the block per weight shape, or leaves the shape to cuBLAS.
+The rows of ``x`` (at most :data:`MAX_ROWS`) are padded to one 16-row tile of a tensor-core
+``dot``; their loads hit L2.
+
+The result equals ``torch.nn.functional.linear(x, w)`` up to float32 summation order (products
+and sums in float32, rounded once to the output dtype), as cuBLAS computes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; CPU CI has none and uses the reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installed torch build
+    triton = None
+    tl = None
+
+__all__ = [
+    "MAX_ROWS",
+    "pick_config",
+    "skinny_linear",
+    "skinny_linear_triton",
+    "supported",
+    "use_skinny",
+]
+
+#: Most rows of ``x`` the kernel takes (one tensor-core tile); more rows go to cuBLAS.
+MAX_ROWS = 16
+#: The default tiling, ``(BLOCK_N output rows per program, BLOCK_K columns per pipeline stage,
+#: warps, pipeline stages)``; :func:`pick_config` chooses one per weight shape.
+DEFAULT_CONFIG = (32, 128, 4, 4)
+
+
+@functools.lru_cache(maxsize=256)
+def pick_config(n: int, k: int) -> tuple[int, int, int, int] | None:
+    """The tiling for a ``[n, k]`` weight, or None where cuBLAS was faster.
+
+    From a sweep of 21 tilings on an H200 (bf16, 1 and 16 rows;
+    ``benchmarks/benchmark_kernels.py --sweep``) over the projections of SmolLM2-135M and
+    Llama-3-8B; each rule names the shape it was measured on (times at one row):
+
+    * vocabulary heads (``n >= 32768``): 64 rows, 128 columns (Llama-3-8B, 236.7 us against
+      cuBLAS's 246.9 at one row); with ``k < 2048`` cuBLAS (SmolLM2-135M: 16.4 us against 17.2);
+    * ``k >= 8192``: 32 rows, 512 columns (Llama-3-8B down, 30.7 us against 32.1);
+    * ``k <= 1024``: 128 columns, 3 stages, and 16 rows where ``n <= 1024`` (SmolLM2-135M q/k/v,
+      2.8 us against 3.9) or else 32 (its gate/up);
+    * ``k <= 2048``: 16 rows, 256 columns (SmolLM2-135M down, 4.3 us against 4.9);
+    * at most 4,096 rows: 32 rows, 128 columns (Llama-3-8B o, 9.3 us against 11.0);
+    * at most 8,192 rows: 64 rows, 512 columns, 3 stages (Llama-3-8B q/k/v, equal at one row,
+      15.2 against 15.9 us at 16 rows);
+    * else 32 rows, 128 columns, 3 stages (Llama-3-8B gate/up, 56.2 against 57.0 us).
+    """
+    if n >= 32768:
+        return (64, 128, 4, 4) if k >= 2048 else None
+    if k >= 8192:
+        return (32, 512, 4, 4)
+    if k <= 1024:
+        return (16, 128, 4, 3) if n <= 1024 else (32, 128, 4, 3)
+    if k <= 2048:
+        return (16, 256, 4, 4)
+    if n <= 4096:
+        return DEFAULT_CONFIG
+    if n <= 8192:
+        return (64, 512, 4, 3)
+    return (32, 128, 4, 3)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear_triton` can take ``x @ weight.T``: CUDA, Triton, 2-D ``x`` of
+    1 to :data:`MAX_ROWS` rows with unit inner stride, a contiguous half-precision ``[N, K]``
+    weight of ``x``'s dtype."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    )
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layers send ``x @ weight.T`` to the kernel: :func:`supported`, and
+    :func:`pick_config` has a tiling for the weight's shape (else cuBLAS was faster)."""
+    return supported(x, weight) and pick_config(weight.shape[0], weight.shape[1]) is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        x_ptr,  # [M, K], rows stride_xm apart, unit inner stride
+        w_ptr,  # [N, K] contiguous
+        y_ptr,  # [M, N], rows stride_ym apart, unit inner stride
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None] * K + rk[None, :]
+        m_mask = rm[:, None] < M
+        n_mask = rn[:, None] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_mask, other=0.0)
+            else:
+                k_mask = rk[None, :] < K - k * BLOCK_K
+                x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask & k_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (rn[None, :] < N))
+
+
+def skinny_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T -> [M, N]`` on the GPU, ``M <= MAX_ROWS``; capturable in a
+    CUDA graph (one kernel launch, no allocation when ``out`` is given).
+
+    Args:
+        x: float16/bfloat16 ``[M, K]``, unit inner stride.
+        weight: contiguous ``[N, K]`` of ``x``'s dtype.
+        out: optional ``[M, N]`` of ``x``'s dtype with unit inner stride to write into.
+        config: ``(block_n, block_k, num_warps, num_stages)``; None takes
+            :func:`pick_config`'s (:data:`DEFAULT_CONFIG` where that prefers cuBLAS).
+
+    Raises:
+        ValueError: inputs :func:`supported` rejects, or a wrong ``out``.
+        RuntimeError: no Triton in this torch build.
+    """
+    if triton is None:
+        raise RuntimeError("skinny_linear_triton needs Triton (a CUDA build of torch)")
+    if not supported(x, weight):
+        raise ValueError(
+            f"skinny_linear_triton takes CUDA half-precision x [1..{MAX_ROWS}, K] with unit inner "
+            f"stride and a contiguous weight [N, K] of its dtype; got x {tuple(x.shape)} "
+            f"{x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"out must be [{m}, {n}] {x.dtype} with unit inner stride, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    block_n, block_k, num_warps, num_stages = config or pick_config(n, k) or DEFAULT_CONFIG
+    grid = (triton.cdiv(n, block_n),)
+    _skinny_gemm_kernel[grid](
+        x, weight, out, m, n, k, x.stride(0), out.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        EVEN_N=n % block_n == 0,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` (no bias): the Triton kernel where :func:`use_skinny` allows it, else
+    ``torch.mm``/``F.linear`` (the reference; CPU, more rows, other dtypes)."""
+    if use_skinny(x, weight) and (out is None or out.stride(1) == 1):
+        return skinny_linear_triton(x, weight, out)
+    if out is None:
+        return F.linear(x, weight)
+    return torch.mm(x, weight.t(), out=out)

@@ -1,0 +1,65 @@
+"""The skinny GEMM's dispatch on the CPU: which inputs the Triton kernel would take, and that
+``linear`` (the layers' matmul) equals ``F.linear`` everywhere the kernel is not used. The
+kernel itself is checked on the GPU (``tests/gpu/test_skinny_gemm_gpu.py``)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from custom_ops.skinny_gemm import MAX_ROWS, skinny_linear, use_skinny
+from fastdeploy.model_executor.layers import linear as linear_mod
+from fastdeploy.model_executor.layers.linear import Linear, linear
+
+
+def test_cpu_tensors_never_take_the_kernel():
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    assert not use_skinny(x, w)
+    torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, MAX_ROWS, MAX_ROWS + 1])
+def test_linear_equals_f_linear(rows: int, bias: bool):
+    torch.manual_seed(rows)
+    layer = Linear(24, 10, bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, 24)
+    want = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x), want)
+    out = torch.empty(rows, 10)
+    with torch.no_grad():  # out= has no autograd; the engine runs in inference mode
+        assert layer(x, out=out) is out
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(linear(x.unsqueeze(0), layer.weight, layer.bias), want[None])
+
+
+def test_use_skinny_rejects_what_the_kernel_cannot_take():
+    # Too many rows, float32, 3-D: refused whatever the device (CPU tensors here; the CUDA
+    # answers are checked in tests/gpu/test_skinny_gemm_gpu.py).
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    for x in (
+        torch.randn(MAX_ROWS + 1, 32, dtype=torch.bfloat16),
+        torch.randn(2, 32, dtype=torch.float32),
+        torch.randn(2, 3, 32, dtype=torch.bfloat16),
+    ):
+        assert not use_skinny(x, w)
+
+
+def test_fd_use_skinny_gemm_is_read_once(monkeypatch):
+    linear_mod.skinny_gemm_enabled.cache_clear()
+    try:
+        monkeypatch.setenv("FD_USE_SKINNY_GEMM", "0")
+        assert linear_mod.skinny_gemm_enabled() is False
+        monkeypatch.setenv("FD_USE_SKINNY_GEMM", "1")
+        assert linear_mod.skinny_gemm_enabled() is False  # cached
+        linear_mod.skinny_gemm_enabled.cache_clear()
+        assert linear_mod.skinny_gemm_enabled() is True
+        monkeypatch.setenv("FD_USE_SKINNY_GEMM", "maybe")
+        linear_mod.skinny_gemm_enabled.cache_clear()
+        with pytest.raises(ValueError, match="FD_USE_SKINNY_GEMM='maybe'"):
+            linear_mod.skinny_gemm_enabled()
+    finally:
+        linear_mod.skinny_gemm_enabled.cache_clear()
