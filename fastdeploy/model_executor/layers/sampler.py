@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from custom_ops.argmax_ops import argmax_rows
 from fastdeploy.model_executor.layers.logits_processor import (
     LogitsProcessingMetadata,
     process_logits,
@@ -92,13 +93,13 @@ class Sampler:
         distribution (before temperature, penalties, ``logit_bias`` and the ``min_tokens`` mask,
         as vLLM reports them)."""
         if meta.all_greedy and meta.processing is None and meta.max_num_logprobs is None:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(token_ids=argmax_rows(logits))
         logits = logits.float()
         if meta.max_num_logprobs is not None:
             logp = logits.log_softmax(dim=-1)
         if meta.processing is not None:
             logits = process_logits(logits, meta.processing)
-        out = SamplerOutput(token_ids=logits.argmax(dim=-1))
+        out = SamplerOutput(token_ids=argmax_rows(logits))
         if not meta.all_greedy:
             greedy = meta.temperature == 0
             temp = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
@@ -108,7 +109,7 @@ class Sampler:
             for row, gen in enumerate(meta.generators):
                 if gen is not None:  # a seeded request: redraw its row from its own stream
                     q[row].exponential_(generator=gen)
-            sampled = (probs / q).argmax(dim=-1)
+            sampled = argmax_rows(probs / q)
             out.token_ids = torch.where(greedy, out.token_ids, sampled)
         if meta.max_num_logprobs is not None:
             out.logprobs = logp.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
