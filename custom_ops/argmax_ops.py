@@ -1,12 +1,13 @@
 """Greedy sampling's argmax over the vocabulary, as two Triton kernels spread over the GPU.
 
 ``torch.argmax(logits, dim=-1)`` reduces each row of ``[B, V]`` logits within few thread blocks:
-at batch 1 one row of 128,256 logits (Llama-3's vocabulary) took 36 us of an H200's time, more
-than a whole layer's attention. Here the first kernel splits every row into :data:`CHUNK`-wide
-chunks, one program each, and keeps each chunk's maximum and its first index; the second picks,
-per row, the first chunk holding the row's maximum. Ties go to the smallest index, as
-``torch.argmax`` breaks them. A NaN counts as larger than every number (as in ``torch.argmax``),
-and ties with ``+inf``: a row holding both returns whichever comes first.
+at batch 1 one row of 128,256 logits (Llama-3's vocabulary) took 26 us of an H200's time, about
+a whole Llama-3-8B layer's attention (``benchmarks/benchmark_kernels.py``). Here the first kernel
+splits every row into :data:`CHUNK`-wide chunks, one program each, and keeps each chunk's
+maximum, its first index and whether the chunk holds a NaN (and where the first one is); the
+second picks, per row, the first chunk holding a NaN, or else the first chunk holding the row's
+maximum. So the result is ``torch.argmax``'s: the first NaN when a row has one (NaN counts as
+larger than every number, ``+inf`` included), else the first index of the maximum.
 """
 
 from __future__ import annotations
@@ -29,30 +30,49 @@ CHUNK = 4096
 if triton is not None:
 
     @triton.jit
-    def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr):
+    def _chunk_max_kernel(
+        x_ptr, max_ptr, idx_ptr, nan_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf"))
         x = x.to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)  # NaN: the largest
-        best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(max_ptr + row * num_chunks + chunk, best)
-        tl.store(idx_ptr + row * num_chunks + chunk, chunk * CHUNK + at)
+        is_nan = (x != x).to(tl.int32)
+        has_nan, first_nan = tl.max(
+            is_nan, axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
+        best, at = tl.max(
+            tl.where(is_nan > 0, float("-inf"), x),
+            axis=0,
+            return_indices=True,
+            return_indices_tie_break_left=True,
+        )
+        at = tl.where(has_nan > 0, first_nan, at)
+        out = row * num_chunks + chunk
+        tl.store(max_ptr + out, best)
+        tl.store(idx_ptr + out, chunk * CHUNK + at)
+        tl.store(nan_ptr + out, has_nan)
 
     @triton.jit
-    def _row_max_kernel(max_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+    def _row_max_kernel(max_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, CHUNKS_P2)
-        m = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-        _, at = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + at).to(tl.int64))
+        valid = c < num_chunks
+        m = tl.load(max_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
+        f = tl.load(nan_ptr + row * num_chunks + c, mask=valid, other=0)
+        _, best_chunk = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        any_nan, nan_chunk = tl.max(
+            f, axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
+        chunk = tl.where(any_nan > 0, nan_chunk, best_chunk)
+        tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + chunk).to(tl.int64))
 
 
 def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum: ``x [B, V]`` (CUDA, float32/bfloat16/float16, unit inner
-    stride) -> int64 ``[B]``; equal to ``x.argmax(dim=-1)`` (see the module docstring for
-    NaN). Two kernel launches and two small buffers; capturable in a CUDA graph.
+    stride) -> int64 ``[B]``; equal to ``x.argmax(dim=-1)``, NaN and ties included. Two kernel
+    launches and three small ``[B, ceil(V / CHUNK)]`` buffers; capturable in a CUDA graph.
 
     Raises:
         ValueError: not a 2-D CUDA tensor of those dtypes with unit inner stride, or ``V == 0``.
@@ -78,9 +98,12 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     at = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    _chunk_max_kernel[(rows, num_chunks)](x, best, at, vocab, x.stride(0), num_chunks, CHUNK=CHUNK)
+    nan = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    _chunk_max_kernel[(rows, num_chunks)](
+        x, best, at, nan, vocab, x.stride(0), num_chunks, CHUNK=CHUNK
+    )
     chunks_p2 = max(triton.next_power_of_2(num_chunks), 2)
-    _row_max_kernel[(rows,)](best, at, out, num_chunks, CHUNKS_P2=chunks_p2)
+    _row_max_kernel[(rows,)](best, at, nan, out, num_chunks, CHUNKS_P2=chunks_p2)
     return out
 
 

@@ -52,10 +52,13 @@ def pick_config(n: int, k: int) -> tuple[int, int, int, int] | None:
 
     From a sweep of 21 tilings on an H200 (bf16, 1 and 16 rows;
     ``benchmarks/benchmark_kernels.py --sweep``) over the projections of SmolLM2-135M and
-    Llama-3-8B; each rule names the shape it was measured on (times at one row):
+    Llama-3-8B; each rule names the shape it was measured on (times at one row). Other GPUs get
+    the same tilings (correct everywhere, tuned for the H200 only):
 
-    * vocabulary heads (``n >= 32768``): 64 rows, 128 columns (Llama-3-8B, 236.7 us against
-      cuBLAS's 246.9 at one row); with ``k < 2048`` cuBLAS (SmolLM2-135M: 16.4 us against 17.2);
+    * ``n >= 32768`` (measured on vocabulary heads; it also takes other projections that wide,
+      such as a 70B model's gate/up, unmeasured): 64 rows, 128 columns (Llama-3-8B's head,
+      236.7 us against cuBLAS's 246.9 at one row); with ``k < 2048`` cuBLAS (SmolLM2-135M's
+      head: 16.4 us against 17.2);
     * ``k >= 8192``: 32 rows, 512 columns (Llama-3-8B down, 30.7 us against 32.1);
     * ``k <= 1024``: 128 columns, 3 stages, and 16 rows where ``n <= 1024`` (SmolLM2-135M q/k/v,
       2.8 us against 3.9) or else 32 (its gate/up);
@@ -80,13 +83,22 @@ def pick_config(n: int, k: int) -> tuple[int, int, int, int] | None:
     return (32, 128, 4, 3)
 
 
+@functools.lru_cache(maxsize=16)
+def _tensor_core_dot(device_index: int) -> bool:
+    """Whether the GPU has the compute capability (8.0, Ampere) that Triton's bf16 ``dot``
+    needs."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`skinny_linear_triton` can take ``x @ weight.T``: CUDA, Triton, 2-D ``x`` of
-    1 to :data:`MAX_ROWS` rows with unit inner stride, a contiguous half-precision ``[N, K]``
-    weight of ``x``'s dtype."""
+    """Whether :func:`skinny_linear_triton` can take ``x @ weight.T``: CUDA (compute capability
+    8.0 or newer), Triton, 2-D ``x`` of 1 to :data:`MAX_ROWS` rows with unit inner stride, a
+    contiguous half-precision ``[N, K]`` weight of ``x``'s dtype on ``x``'s device."""
     return (
         triton is not None
         and x.is_cuda
+        and x.device == weight.device
+        and _tensor_core_dot(x.device.index if x.device.index is not None else 0)
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)

@@ -1,6 +1,6 @@
 """Greedy sampling's Triton argmax (``custom_ops/argmax_ops.py``) against ``torch.argmax`` on
 CUDA: random logits of both default vocabularies at several batch sizes, ties (the first index
-wins), rows of ``-inf``, NaN (the largest), strided rows, and a replay in a CUDA graph.
+wins), rows of ``-inf``, NaN (larger than ``+inf``), strided rows, and a replay in a CUDA graph.
 
 One pytest call on a CUDA host: ``python -m pytest -q tests/gpu/test_argmax_gpu.py``.
 """
@@ -30,15 +30,17 @@ def test_equals_torch_argmax(batch: int, vocab: int, dtype: torch.dtype):
 
 
 def test_ties_infinities_nan_and_strides():
-    x = torch.zeros(6, 3 * CHUNK + 5, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(7, 3 * CHUNK + 5, device="cuda", dtype=torch.bfloat16)
     x[0, [7, CHUNK + 3, 2 * CHUNK]] = 5  # a tie across chunks: the first index
     x[1] = float("-inf")  # all -inf: index 0
     x[2, [CHUNK + 9, 2 * CHUNK + 1]] = float("inf")
     x[3, [11, 3 * CHUNK + 2]] = float("nan")  # NaN is the largest; the first one wins
     x[4, -1] = 1  # the last element, in the short last chunk
     x[5] = -1
+    x[6, [5, 2 * CHUNK]] = float("inf")  # +inf first, NaN later: NaN is larger
+    x[6, 2 * CHUNK + 3] = float("nan")
     got = argmax_rows_triton(x)
-    assert got.tolist() == [7, 0, CHUNK + 9, 11, 3 * CHUNK + 4, 0]
+    assert got.tolist() == [7, 0, CHUNK + 9, 11, 3 * CHUNK + 4, 0, 2 * CHUNK + 3]
     assert torch.equal(got, x.argmax(dim=-1))
     wide = torch.randn(4, 2 * CHUNK, device="cuda")
     view = wide[:, 100 : 100 + CHUNK + 7]  # rows a stride apart, not contiguous

@@ -32,9 +32,9 @@ DTYPE = torch.bfloat16
 BLOCK, NUM_BLOCKS, TABLE_WIDTH = 16, 128, 32
 TOL = 2e-2
 SENTINEL, POISON = 512.0, -384.0  # exact in bf16; POISON marks padding rows' K/V
-# (num_heads, num_kv_heads, head_dim): SmolLM2-135M (GQA 3, CUDA-core decode) and a GQA-8 shape
-# (tensor-core decode).
-SHAPES = [(9, 3, 64), (16, 2, 128)]
+# (num_heads, num_kv_heads, head_dim): SmolLM2-135M (GQA 3, CUDA-core decode), a GQA-8 shape and
+# Llama-3-8B's GQA 4 (both tensor-core decode).
+SHAPES = [(9, 3, 64), (16, 2, 128), (32, 8, 128)]
 
 
 @dataclass

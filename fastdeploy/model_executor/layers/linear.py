@@ -34,17 +34,23 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``.
+    """``x @ weight.T (+ bias)``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``,
+    all of one dtype and device.
 
-    Without a bias, on CUDA, for 1 to 16 rows of ``x`` (see
-    :func:`custom_ops.skinny_gemm.use_skinny`) and with ``FD_USE_SKINNY_GEMM`` on, the Triton
-    kernel of :mod:`custom_ops.skinny_gemm`; otherwise cuBLAS (``F.linear``, or ``torch.mm`` /
+    Without a bias, on CUDA, for a 2-D ``x`` of 1 to 16 rows (see
+    :func:`custom_ops.skinny_gemm.use_skinny`: half precision, a contiguous weight, a tiling for
+    its shape) and with ``FD_USE_SKINNY_GEMM`` on, the Triton kernel of
+    :mod:`custom_ops.skinny_gemm`; otherwise cuBLAS (``F.linear``, or ``torch.mm`` /
     ``torch.addmm`` into ``out``). Inside ``torch.compile`` (graph_opt_level 1 and 2) always
     the torch op, which Inductor lowers its own way.
 
     Args:
         out: optional ``[T, N]`` tensor of the weight's dtype and device to write the result
             into; ``x`` must then be 2-D.
+
+    Raises:
+        ValueError: ``FD_USE_SKINNY_GEMM`` is malformed, or ``out`` has the wrong shape or
+            dtype on the kernel's path (``torch`` raises RuntimeError for it on cuBLAS's).
     """
     if (
         bias is None

@@ -162,8 +162,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.max_num_blocks = max_num_blocks
         self.use_tensor_cores = decode_uses_tensor_cores(num_heads, num_kv_heads)
         dev = self.device
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        size = float_workspace_bytes(num_heads, num_kv_heads, head_dim, num_sms)
+        props = torch.cuda.get_device_properties(dev)
+        size = float_workspace_bytes(
+            num_heads, num_kv_heads, head_dim, props.multi_processor_count,
+            max_graph_decode_batch=max_num_reqs if self.use_tensor_cores else 0,
+            sm_major=props.major,
+        )  # fmt: skip
         self.workspace = torch.zeros(size, dtype=torch.uint8, device=dev)
         self._int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(

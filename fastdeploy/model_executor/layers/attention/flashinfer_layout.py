@@ -18,9 +18,26 @@ WORKSPACE_BYTES = 128 << 20
 WORKSPACE_MARGIN_BYTES = 16 << 20
 
 
-def float_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """Float workspace that every plan fits in: at least :data:`WORKSPACE_BYTES`, and the most a
-    split-KV prefill plan takes.
+def _cta_tile_q(packed_qo_len: int, head_dim: int, sm_major: int) -> int:
+    """Query rows per CTA of flashinfer's FA2 prefill kernel (0.5.3 ``utils.cuh``,
+    ``FA2DetermineCtaTileQ``) for ``packed_qo_len`` query rows times the GQA group."""
+    if packed_qo_len > 64 and head_dim < 256:
+        return 128
+    if sm_major < 8:
+        return 64
+    return 64 if packed_qo_len > 16 else 16
+
+
+def float_workspace_bytes(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+    max_graph_decode_batch: int = 0,
+    sm_major: int = 9,
+) -> int:
+    """Float workspace that every plan fits in: at least :data:`WORKSPACE_BYTES`, the most a
+    split-KV prefill plan takes, and the most a tensor-core decode plan of a CUDA graph takes.
 
     From flashinfer 0.5.3 ``attention/scheduler.cuh`` (``PrefillPlan``): a split-KV prefill
     allocates ``tmp_v = num_qo_heads * padded_batch_size * cta_tile_q * head_dim * 4`` bytes and
@@ -28,10 +45,29 @@ def float_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_
     num_kv_heads`` (two CTAs per SM, split only while the tiles fit) and ``cta_tile_q <= 128``.
     With 32 query and 4 KV heads of 128 (Qwen3-30B-A3B) on 132 SMs that is 139 MB: more than the
     128 MiB flashinfer suggests, which overflowed at 8,192-token prefills.
+
+    Decode on the tensor-core kernel (``max_graph_decode_batch`` > 0: the largest decode graph's
+    batch) plans through the same ``PrefillPlan``, and inside a CUDA graph it always splits KV
+    and pads to ``max(2 * num_sms / num_kv_heads, ceil(B * group / cta_tile_q) + B - 1)``
+    tiles, ``cta_tile_q`` taken for ``group`` query rows: at Llama-3-8B's 32/8 heads and B =
+    512 that is 639 tiles of 16 rows, 169 MB.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the attention shape.
+        num_sms: the GPU's streaming multiprocessors.
+        max_graph_decode_batch: the largest decode graph's requests when decode runs on
+            flashinfer's tensor-core kernel; 0 otherwise.
+        sm_major: the GPU's compute capability major (below 8 flashinfer uses 64-row tiles).
     """
     ctas_per_kv_head = 2 * num_sms // num_kv_heads
-    split_kv = num_heads * ctas_per_kv_head * 128 * (head_dim + 1) * 4
-    return max(WORKSPACE_BYTES, split_kv + WORKSPACE_MARGIN_BYTES)
+    need = num_heads * ctas_per_kv_head * 128 * (head_dim + 1) * 4
+    if max_graph_decode_batch > 0:
+        group = num_heads // num_kv_heads
+        tile_q = _cta_tile_q(group, head_dim, sm_major)
+        batch = max_graph_decode_batch
+        tiles = max(ctas_per_kv_head, -(-batch * group // tile_q) + batch - 1)
+        need = max(need, num_heads * tiles * tile_q * (head_dim + 1) * 4)
+    return max(WORKSPACE_BYTES, need + WORKSPACE_MARGIN_BYTES)
 
 
 @dataclass
