@@ -69,6 +69,18 @@ if triton is not None:
         tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + chunk).to(tl.int64))
 
 
+def _supported(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: 2-D CUDA float32/bfloat16/float16 with ``V > 0`` and unit
+    inner stride."""
+    return (
+        x.dim() == 2
+        and x.shape[1] > 0
+        and x.is_cuda
+        and x.stride(1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
 def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum: ``x [B, V]`` (CUDA, float32/bfloat16/float16, unit inner
     stride) -> int64 ``[B]``; equal to ``x.argmax(dim=-1)``, NaN and ties included. Two kernel
@@ -80,13 +92,7 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     """
     if triton is None:
         raise RuntimeError("argmax_rows_triton needs Triton (a CUDA build of torch)")
-    if (
-        not x.is_cuda
-        or x.dim() != 2
-        or x.shape[1] == 0
-        or x.stride(1) != 1
-        or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-    ):
+    if not _supported(x):
         raise ValueError(
             f"argmax_rows_triton takes CUDA float32/bfloat16/float16 [B, V > 0] with unit inner "
             f"stride; got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}"
@@ -108,8 +114,8 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of ``[B, V]`` logits: the Triton kernels on CUDA, ``torch.argmax``
-    elsewhere (the reference)."""
-    if triton is not None and x.is_cuda and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
+    """``x.argmax(dim=-1)`` of ``[B, V]`` logits: the Triton kernels where they take ``x`` (see
+    :func:`argmax_rows_triton`), ``torch.argmax`` elsewhere (the reference)."""
+    if triton is not None and _supported(x):
         return argmax_rows_triton(x)
     return x.argmax(dim=-1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of torch; CPU CI has none and uses the reference.
     import triton
@@ -33,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch build
 __all__ = [
     "MAX_ROWS",
     "pick_config",
-    "skinny_linear",
+    "skinny_linear_launch",
     "skinny_linear_triton",
     "supported",
     "use_skinny",
@@ -96,17 +95,17 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     contiguous half-precision ``[N, K]`` weight of ``x``'s dtype on ``x``'s device."""
     return (
         triton is not None
-        and x.is_cuda
-        and x.device == weight.device
-        and _tensor_core_dot(x.device.index if x.device.index is not None else 0)
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
+        and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.shape[1] == x.shape[1]
         and x.stride(1) == 1
         and weight.is_contiguous()
+        and x.device == weight.device
+        and _tensor_core_dot(x.device.index if x.device.index is not None else 0)
     )
 
 
@@ -190,6 +189,22 @@ def skinny_linear_triton(
             f"stride and a contiguous weight [N, K] of its dtype; got x {tuple(x.shape)} "
             f"{x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype}"
         )
+    return skinny_linear_launch(x, weight, out, config=config)
+
+
+def skinny_linear_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`skinny_linear_triton` without its input check, for callers that already asked
+    :func:`use_skinny` (the layers' ``linear``, once per call); ``out`` is still checked.
+
+    Raises:
+        ValueError: a wrong ``out``.
+    """
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -208,15 +223,3 @@ def skinny_linear_triton(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
-
-
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ weight.T`` (no bias): the Triton kernel where :func:`use_skinny` allows it, else
-    ``torch.mm``/``F.linear`` (the reference; CPU, more rows, other dtypes)."""
-    if use_skinny(x, weight) and (out is None or out.stride(1) == 1):
-        return skinny_linear_triton(x, weight, out)
-    if out is None:
-        return F.linear(x, weight)
-    return torch.mm(x, weight.t(), out=out)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops.skinny_gemm import skinny_linear_triton, use_skinny
+from custom_ops.skinny_gemm import skinny_linear_launch, use_skinny
 from fastdeploy import envs
 
 
@@ -60,7 +60,7 @@ def linear(
         and use_skinny(x, weight)
         and (out is None or out.stride(1) == 1)
     ):
-        return skinny_linear_triton(x, weight, out)
+        return skinny_linear_launch(x, weight, out)
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
