@@ -11,7 +11,8 @@ vocabulary head) and each row count, it prints the microseconds of ``F.linear`` 
 split-K reduction kernel included) and of the kernel with :func:`pick_config`'s tiling (``-``
 where the table leaves the shape to cuBLAS), the weight's read rate in TB/s and the speed-up.
 ``--sweep`` adds the fastest tiling of :data:`SWEEP` per shape, which is how the table was
-chosen. Greedy sampling's argmax (``custom_ops/argmax_ops.py``) against ``torch.argmax`` on
+chosen. After each gate/up row, a ``+silu`` row: the projection with its SiLU-and-multiply,
+cuBLAS then flashinfer's ``silu_and_mul`` against the gated kernel. Greedy sampling's argmax (``custom_ops/argmax_ops.py``) against ``torch.argmax`` on
 bf16 logits of each preset's vocabulary, at several batch sizes. Each time is Triton's
 ``do_bench_cudagraph`` (a CUDA graph of the call, replayed) with random inputs; each kernel's
 result with its default tiling is first checked against the reference (the ``--sweep`` tilings
@@ -27,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from custom_ops.argmax_ops import argmax_rows_triton
-from custom_ops.skinny_gemm import pick_config, skinny_linear_triton
+from custom_ops.skinny_gemm import (
+    gated_silu_reference,
+    pick_config,
+    pick_gated_config,
+    skinny_gated_silu_launch,
+    skinny_linear_triton,
+)
+from fastdeploy.model_executor.layers.activation import SiluAndMul
 from fastdeploy.model_executor.model_loader.presets import PRESETS
 
 #: Tilings ``(block_n, block_k, num_warps, num_stages)`` that ``--sweep`` tries.
@@ -69,6 +77,25 @@ def bench_us(x: torch.Tensor, w: torch.Tensor, config: tuple | None | str = "cub
     if config == "cublas":
         return time_us(lambda: F.linear(x, w))
     return time_us(lambda: skinny_linear_triton(x, w, config=config))
+
+
+def gated_row(model: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """A table row for the gate/up projection with its SiLU-and-multiply: cuBLAS then
+    :class:`SiluAndMul` (flashinfer's kernel) against :func:`skinny_gated_silu_launch` (checked
+    against :func:`gated_silu_reference` first)."""
+    act = SiluAndMul()
+    want = gated_silu_reference(x, w).float()
+    torch.testing.assert_close(  # within a bf16 rounding of the output's scale
+        skinny_gated_silu_launch(x, w).float(), want, rtol=2**-7,
+        atol=want.abs().max().item() * 2**-6,
+    )  # fmt: skip
+    ref = time_us(lambda: act(F.linear(x, w)))
+    ours = time_us(lambda: skinny_gated_silu_launch(x, w))
+    (n, k), m = w.shape, x.shape[0]
+    return (
+        f"{model:<14}{'+silu':<9}{f'{n} x {k}':>14}{m:>5}{ref:9.2f}{ours:9.2f}"
+        f"{n * k * 2 / ours / 1e6:6.2f}{ref / ours:6.2f}x"
+    )
 
 
 def argmax_table(models: list[str], batches: list[int]) -> None:
@@ -121,6 +148,8 @@ def main() -> None:
                     best_us, best = min(timed)
                     line += f"  {best} {best_us:.2f}"
                 print(line, flush=True)
+                if proj == "gate_up" and pick_gated_config(n, k) is not None:
+                    print(gated_row(model, x, w), flush=True)
     if args.argmax_batches:
         argmax_table(args.models, args.argmax_batches)
 

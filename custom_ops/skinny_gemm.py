@@ -14,6 +14,13 @@ The rows of ``x`` (at most :data:`MAX_ROWS`) are padded to one 16-row tile of a 
 
 The result equals ``torch.nn.functional.linear(x, w)`` up to float32 summation order (products
 and sums in float32, rounded once to the output dtype), as cuBLAS computes it.
+
+A SwiGLU MLP's merged gate/up projection can end in its activation:
+:func:`skinny_gated_silu_launch` gives each program the same block of gate rows and of up rows
+and writes ``silu(gate) * up`` (``[M, I]``) instead of ``[gate | up]`` (``[M, 2I]``), which saves
+the activation's kernel and its round trip through memory. Each output is formed once, in the
+epilogue (a prologue in the down projection would make every program recompute the activation of
+the whole row: measured 5 to 8 times slower on an H200).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of torch; CPU CI has none and uses the reference.
     import triton
@@ -31,10 +39,14 @@ except ImportError:  # pragma: no cover - depends on the installed torch build
 
 __all__ = [
     "MAX_ROWS",
+    "gated_silu_reference",
     "pick_config",
+    "pick_gated_config",
+    "skinny_gated_silu_launch",
     "skinny_linear_launch",
     "skinny_linear_triton",
     "supported",
+    "use_gated_silu",
     "use_skinny",
 ]
 
@@ -115,6 +127,49 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return supported(x, weight) and pick_config(weight.shape[0], weight.shape[1]) is not None
 
 
+@functools.lru_cache(maxsize=256)
+def pick_gated_config(n: int, k: int) -> tuple[int, int, int, int] | None:
+    """The tiling of :func:`skinny_gated_silu_launch` for a merged ``[n, k]`` gate/up weight
+    (``n = 2I``; ``block_n`` counts output columns, so a program reads ``2 * block_n`` weight
+    rows), or None where :func:`pick_config` leaves the plain projection to cuBLAS.
+
+    From a sweep of 9 tilings on an H200 (bf16, 1 and 16 rows), against the plain kernel plus
+    flashinfer's ``silu_and_mul``:
+
+    * ``k >= 2048``: 32 columns, 256 deep, 3 stages (Llama-3-8B, 56.6 us against 60.0 at one
+      row, 57.7 against 62.6 at 16; halving :func:`pick_config`'s 32 rows to 16 columns took
+      65.5);
+    * else :func:`pick_config`'s tiling with its ``block_n`` as columns (SmolLM2-135M: 32, 128,
+      3 stages, 3.5 us against 4.9).
+    """
+    config = pick_config(n, k)
+    if config is None:
+        return None
+    return (32, 256, 4, 3) if k >= 2048 else config
+
+
+def use_gated_silu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layers send ``silu_and_mul(x @ weight.T)`` to
+    :func:`skinny_gated_silu_launch`: :func:`use_skinny`, with an even number of weight rows."""
+    return weight.dim() == 2 and weight.shape[0] % 2 == 0 and use_skinny(x, weight)
+
+
+def gated_silu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What :func:`skinny_gated_silu_launch` computes, in torch (any device and dtype): the
+    projection ``x @ weight.T`` rounded to ``x``'s dtype, then ``silu(gate) * up`` in float32
+    rounded once more (flashinfer's ``silu_and_mul``).
+
+    Args:
+        x: ``[..., K]``.
+        weight: ``[2I, K]`` of ``x``'s dtype, gate rows first.
+
+    Returns:
+        ``[..., I]`` of ``x``'s dtype.
+    """
+    gate, up = F.linear(x, weight).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
 if triton is not None:
 
     @triton.jit
@@ -132,6 +187,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         EVEN_N: tl.constexpr,
+        GATED: tl.constexpr,  # w is [2N, K] (gate rows, then up rows); y = silu(gate) * up
     ):
         pid = tl.program_id(0)
         rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -142,20 +198,36 @@ if triton is not None:
         m_mask = rm[:, None] < M
         n_mask = rn[:, None] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            up_ptrs = w_ptrs + N * K
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_mask, other=0.0)
                 if EVEN_N:
                     w = tl.load(w_ptrs)
+                    if GATED:
+                        w_up = tl.load(up_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=n_mask, other=0.0)
+                    if GATED:
+                        w_up = tl.load(up_ptrs, mask=n_mask, other=0.0)
             else:
                 k_mask = rk[None, :] < K - k * BLOCK_K
                 x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=n_mask & k_mask, other=0.0)
+                if GATED:
+                    w_up = tl.load(up_ptrs, mask=n_mask & k_mask, other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+                up_ptrs += BLOCK_K
+        if GATED:  # round each projection as the unfused path stores it, then silu_and_mul's
+            gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate * tl.sigmoid(gate) * up
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (rn[None, :] < N))
 
@@ -205,8 +277,47 @@ def skinny_linear_launch(
     Raises:
         ValueError: a wrong ``out``.
     """
+    return _launch(x, weight, out, config or pick_config(*weight.shape), gated=False)
+
+
+def skinny_gated_silu_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``silu_and_mul(x [M, K] @ weight[2I, K].T) -> [M, I]`` in one kernel, ``M <= MAX_ROWS``:
+    a SwiGLU MLP's merged gate/up projection and its activation. Equals
+    :func:`gated_silu_reference` up to float32 summation order. Capturable in a CUDA graph (one
+    kernel launch, no allocation when ``out`` is given). Inputs are not checked: callers ask
+    :func:`use_gated_silu` first, as :func:`skinny_linear_launch`'s callers do.
+
+    Args:
+        x: float16/bfloat16 ``[M, K]``, unit inner stride.
+        weight: contiguous ``[2I, K]`` of ``x``'s dtype, the ``I`` gate rows first.
+        out: optional ``[M, I]`` of ``x``'s dtype with unit inner stride to write into.
+        config: ``(block_n, block_k, num_warps, num_stages)``, ``block_n`` counting output
+            columns (the program reads twice as many weight rows); None takes
+            :func:`pick_gated_config`'s.
+
+    Raises:
+        ValueError: a wrong ``out``.
+    """
+    config = config or pick_gated_config(*weight.shape)
+    return _launch(x, weight, out, config, gated=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None,
+    config: tuple[int, int, int, int] | None,
+    *,
+    gated: bool,
+) -> torch.Tensor:
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -214,12 +325,12 @@ def skinny_linear_launch(
             f"out must be [{m}, {n}] {x.dtype} with unit inner stride, got "
             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
-    block_n, block_k, num_warps, num_stages = config or pick_config(n, k) or DEFAULT_CONFIG
+    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
     grid = (triton.cdiv(n, block_n),)
     _skinny_gemm_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EVEN_N=n % block_n == 0,
+        EVEN_N=n % block_n == 0, GATED=gated,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -6,9 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from custom_ops.skinny_gemm import MAX_ROWS, use_skinny
+from custom_ops.skinny_gemm import (
+    MAX_ROWS,
+    gated_silu_reference,
+    pick_config,
+    pick_gated_config,
+    use_gated_silu,
+    use_skinny,
+)
 from fastdeploy.model_executor.layers import linear as linear_mod
-from fastdeploy.model_executor.layers.linear import Linear, linear
+from fastdeploy.model_executor.layers.activation import SiluAndMul
+from fastdeploy.model_executor.layers.linear import Linear, gated_silu_linear, linear
 
 
 def test_cpu_tensors_never_take_the_kernel():
@@ -63,3 +71,29 @@ def test_fd_use_skinny_gemm_is_read_once(monkeypatch):
             linear_mod.skinny_gemm_enabled()
     finally:
         linear_mod.skinny_gemm_enabled.cache_clear()
+
+
+def test_gated_config_is_the_measured_one_or_the_plain_tiling():
+    assert pick_gated_config(28672, 4096) == (32, 256, 4, 3)  # Llama-3-8B, from the sweep
+    for n, k in [(3072, 576), (2000, 300)]:
+        assert pick_gated_config(n, k) == pick_config(n, k)
+    assert pick_config(49152, 576) is None and pick_gated_config(49152, 576) is None
+
+
+def test_gated_silu_on_cpu_is_the_projection_then_the_activation():
+    torch.manual_seed(3)
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    w = torch.randn(20, 24, dtype=torch.bfloat16)
+    assert not use_gated_silu(x, w)  # CPU: no kernel
+    got = gated_silu_linear(x, w, None, SiluAndMul())
+    want = SiluAndMul()(F.linear(x, w))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The reference rounds the projection, then silu(gate) * up in float32, once more.
+    gate, up = F.linear(x, w).float().chunk(2, dim=-1)
+    torch.testing.assert_close(
+        gated_silu_reference(x, w), (F.silu(gate) * up).bfloat16(), rtol=0, atol=0
+    )
+    bias = torch.randn(20, dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        gated_silu_linear(x, w, bias, SiluAndMul()), SiluAndMul()(F.linear(x, w, bias))
+    )

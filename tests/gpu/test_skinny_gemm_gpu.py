@@ -3,7 +3,9 @@
 For 1 to 16 rows, bf16 and fp16, even and ragged ``N`` and ``K`` (the masked paths), and the
 shapes of the default model and the Llama-3-8B preset: the kernel's result is within one
 rounding of the float32 product, as cuBLAS's is; it writes into ``out`` (a strided row view, as
-the piecewise segments pass) and nowhere else; and it replays in a CUDA graph.
+the piecewise segments pass) and nowhere else; and it replays in a CUDA graph. The same for the
+gated variant (a SwiGLU MLP's gate/up projection ending in ``silu(gate) * up``) against the
+projection followed by ``silu_and_mul``.
 
 One pytest call on a CUDA host: ``python -m pytest -q tests/gpu/test_skinny_gemm_gpu.py``.
 """
@@ -16,8 +18,13 @@ import torch.nn.functional as F
 from gpu_utils import GPU_ONLY
 
 from custom_ops import skinny_gemm
-from custom_ops.skinny_gemm import skinny_linear_triton
-from fastdeploy.model_executor.layers.linear import linear
+from custom_ops.skinny_gemm import (
+    gated_silu_reference,
+    skinny_gated_silu_launch,
+    skinny_linear_triton,
+    use_gated_silu,
+)
+from fastdeploy.model_executor.layers.linear import gated_silu_linear, linear
 
 pytestmark = [
     *GPU_ONLY,
@@ -90,3 +97,63 @@ def test_linear_dispatch():
     with pytest.raises(ValueError, match="out must be"):
         x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
         skinny_linear_triton(x, w, torch.empty(2, 641, device="cuda", dtype=torch.bfloat16))
+
+
+# (2I, K) of merged gate/up weights: SmolLM2-135M's, Llama-3-8B's, and a ragged one (I = 1000,
+# not a multiple of the 16 output columns of a program; K = 300, not a multiple of the tile).
+GATED_SHAPES = [(3072, 576), (28672, 4096), (2000, 300)]
+
+
+def check_gated_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``got`` (``silu(gate) * up``) no further from its float32 value than the unfused path
+    (cuBLAS's projection, rounded, then ``silu_and_mul`` rounded again) is, up to one rounding of
+    the result and one of each projection."""
+    gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    ref = gated_silu_reference(x, w).float()
+    eps = torch.finfo(x.dtype).eps
+    # A rounding of gate (through silu's slope, at most 1.1 in size), of up and of the result
+    # may each go the other way than the unfused path's.
+    bound = eps * (1.1 * gate.abs() * up.abs() + F.silu(gate).abs() * up.abs() + exact.abs())
+    err = (got.float() - exact).abs()
+    err_ref = (ref - exact).abs()
+    assert (err <= bound + err_ref).all(), ((err - bound - err_ref).max().item(),)
+    assert got.shape == ref.shape and got.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", GATED_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gated_silu_matches_projection_then_silu_and_mul(m, n, k, dtype):
+    g = torch.Generator(device="cuda").manual_seed(n * 29 + k + m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    assert use_gated_silu(x, w)
+    check_gated_close(skinny_gated_silu_launch(x, w), x, w)
+    # The layers' entry point takes the kernel (no silu_and_mul launched) and agrees with it.
+    calls = []
+    got = gated_silu_linear(x, w, None, lambda t: calls.append(t) or t)
+    assert not calls
+    torch.testing.assert_close(got, skinny_gated_silu_launch(x, w), rtol=0, atol=0)
+
+
+def test_gated_silu_writes_out_only_and_replays_in_a_graph():
+    torch.manual_seed(0)
+    m, n2, k = 5, 2000, 576
+    x = torch.randn(m, k + 40, device="cuda", dtype=torch.bfloat16)[:, :k]  # rows k + 40 apart
+    w = torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    buf = torch.full((16, n2 // 2 + 24), 7.0, device="cuda", dtype=torch.bfloat16)
+    out = buf[:m, : n2 // 2]
+    assert skinny_gated_silu_launch(x, w, out) is out
+    check_gated_close(out, x, w)
+    assert (buf[:m, n2 // 2 :] == 7).all() and (buf[m:] == 7).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_gated_silu_launch(x, w, out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_gated_close(out, x, w)
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_gated_silu_launch(x, w, buf[:m, : n2 // 2 + 1])
+    assert not use_gated_silu(x, w[:-1])  # an odd number of rows is not [gate; up]

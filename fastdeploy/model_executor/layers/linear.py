@@ -8,13 +8,18 @@ knows the output rows of each *shard* and loads or exports one shard at a time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops.skinny_gemm import skinny_linear_launch, use_skinny
+from custom_ops.skinny_gemm import (
+    skinny_gated_silu_launch,
+    skinny_linear_launch,
+    use_gated_silu,
+    use_skinny,
+)
 from fastdeploy import envs
 
 
@@ -66,6 +71,35 @@ def linear(
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def gated_silu_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``act(linear(x, weight, bias))`` for a SwiGLU MLP's merged gate/up projection:
+    ``x [T, K]``, ``weight [2I, K]`` (gate rows first) -> ``[T, I]``.
+
+    Where :func:`linear` would take the skinny GEMM (no bias, CUDA, 1 to 16 rows, a tiling for
+    the weight, ``FD_USE_SKINNY_GEMM`` on, not inside ``torch.compile``), one kernel writes
+    ``silu(gate) * up`` from the projection's accumulators
+    (:func:`custom_ops.skinny_gemm.skinny_gated_silu_launch`), saving the activation's launch;
+    ``act`` must then be SiLU-and-multiply. Otherwise :func:`linear`, then ``act``.
+
+    Raises:
+        ValueError: as :func:`linear`.
+    """
+    if (
+        bias is None
+        and x.is_cuda
+        and not torch.compiler.is_compiling()
+        and skinny_gemm_enabled()
+        and use_gated_silu(x, weight)
+    ):
+        return skinny_gated_silu_launch(x, weight)
+    return act(linear(x, weight, bias))
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:

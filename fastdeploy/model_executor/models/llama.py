@@ -31,7 +31,12 @@ from fastdeploy.model_executor.layers.activation import SiluAndMul
 from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
 from fastdeploy.model_executor.layers.attention.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
-from fastdeploy.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
+from fastdeploy.model_executor.layers.linear import (
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    gated_silu_linear,
+)
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -111,7 +116,11 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        if isinstance(self.gate_up_proj, MergedColumnParallelLinear):
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # One rank: the activation can run in the gate/up projection's kernel.
+        proj = self.gate_up_proj
+        return self.down_proj(gated_silu_linear(x, proj.weight, proj.bias, self.act_fn))
 
 
 class DecoderLayer(nn.Module):
