@@ -283,12 +283,17 @@ class EngineArgs:
 
         With chunked prefill the default is ``max(2048, max_num_seqs)``; without it
         ``max(max_model_len, 2048, max_num_seqs)``, since a whole prompt must then fit one step.
+        Either is capped at ``max_num_seqs * max_model_len``, the most tokens a step can hold
+        (the start-up profile step and the prefill buckets are sized by this budget, and a
+        larger one would ask one request to hold more than ``max_model_len`` tokens).
         An explicit value is kept as given (and checked by :meth:`FDConfig.validate`).
         """
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
-        return budget if self.enable_chunked_prefill else max(budget, max_model_len)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        return min(budget, self.max_num_seqs * max_model_len)
 
     def resolve_device(self) -> str:
         """``cuda`` or ``cpu``: ``--device`` as given, or (``auto``) CUDA when available.

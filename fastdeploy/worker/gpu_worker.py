@@ -299,7 +299,8 @@ class GpuWorker:
             start = time.perf_counter()
             block_size = self.config.cache_config.block_size
             self.runner.execute_model(dummy_step([16], block_size))
-            self.runner.execute_model(dummy_step([1, 1], block_size, history=1, share_block=True))
+            decode = [1] * min(2, self.config.scheduler_config.max_num_seqs)
+            self.runner.execute_model(dummy_step(decode, block_size, history=1, share_block=True))
             torch.cuda.synchronize()
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
             self.runner.steps_by_mode["eager"] -= 2

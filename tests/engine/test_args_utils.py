@@ -164,6 +164,9 @@ def test_max_model_len_wrong_type_is_reported_before_use():
         ({"enable_chunked_prefill": False}, 8192, 8192),  # whole prompt in one step
         ({"enable_chunked_prefill": False}, 512, 2048),  # never below 2048
         ({"max_num_batched_tokens": 1024}, 8192, 1024),  # explicit value kept
+        ({"max_num_seqs": 1, "max_model_len": 160}, 8192, 160),  # what one step can hold
+        ({"max_num_seqs": 4, "max_model_len": 256}, 8192, 1024),
+        ({"max_num_seqs": 2, "enable_chunked_prefill": False}, 512, 1024),
     ],
 )
 def test_max_num_batched_tokens_resolution(kwargs, hf_max, expected):
