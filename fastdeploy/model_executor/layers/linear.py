@@ -33,6 +33,14 @@ def skinny_gemm_enabled() -> bool:
     return envs.FD_USE_SKINNY_GEMM()
 
 
+def _kernels_allowed(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The skinny GEMM's conditions that do not depend on shapes: no bias, CUDA, not inside
+    ``torch.compile``, ``FD_USE_SKINNY_GEMM`` on."""
+    return (
+        bias is None and x.is_cuda and not torch.compiler.is_compiling() and skinny_gemm_enabled()
+    )
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -57,14 +65,7 @@ def linear(
         ValueError: ``FD_USE_SKINNY_GEMM`` is malformed, or ``out`` has the wrong shape or
             dtype on the kernel's path (``torch`` raises RuntimeError for it on cuBLAS's).
     """
-    if (
-        bias is None
-        and x.is_cuda
-        and not torch.compiler.is_compiling()
-        and skinny_gemm_enabled()
-        and use_skinny(x, weight)
-        and (out is None or out.stride(1) == 1)
-    ):
+    if _kernels_allowed(x, bias) and use_skinny(x, weight) and (out is None or out.stride(1) == 1):
         return skinny_linear_launch(x, weight, out)
     if out is None:
         return F.linear(x, weight, bias)
@@ -91,13 +92,7 @@ def gated_silu_linear(
     Raises:
         ValueError: as :func:`linear`.
     """
-    if (
-        bias is None
-        and x.is_cuda
-        and not torch.compiler.is_compiling()
-        and skinny_gemm_enabled()
-        and use_gated_silu(x, weight)
-    ):
+    if _kernels_allowed(x, bias) and use_gated_silu(x, weight):
         return skinny_gated_silu_launch(x, weight)
     return act(linear(x, weight, bias))
 
