@@ -298,8 +298,10 @@ class GpuWorker:
             # their kernels on first use (flashinfer's JIT), which is not capture time.
             start = time.perf_counter()
             block_size = self.config.cache_config.block_size
-            self.runner.execute_model(dummy_step([16], block_size))
-            decode = [1] * min(2, self.config.scheduler_config.max_num_seqs)
+            sched = self.config.scheduler_config
+            prefill = min(16, sched.max_num_batched_tokens, self.config.model_config.max_model_len)
+            self.runner.execute_model(dummy_step([prefill], block_size))
+            decode = [1] * min(2, sched.max_num_seqs)
             self.runner.execute_model(dummy_step(decode, block_size, history=1, share_block=True))
             torch.cuda.synchronize()
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)

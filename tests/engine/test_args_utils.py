@@ -174,6 +174,15 @@ def test_max_num_batched_tokens_resolution(kwargs, hf_max, expected):
     assert config.scheduler_config.max_num_batched_tokens == expected
 
 
+def test_explicit_budget_above_what_a_step_can_hold_is_an_error():
+    args = EngineArgs(max_num_batched_tokens=4096, max_num_seqs=1, max_model_len=1024)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=4096 .*<= max_num_seqs \* "
+                       r"max_model_len = 1024"):  # fmt: skip
+        args.create_engine_config(source(8192))
+    config = EngineArgs(max_num_batched_tokens=1024, max_num_seqs=1, max_model_len=1024)
+    assert config.create_engine_config(source(8192)).scheduler_config.max_num_batched_tokens == 1024
+
+
 def test_explicit_budget_below_max_model_len_without_chunking_is_an_error():
     args = EngineArgs(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_num_seqs=8)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=1024 .* max_model_len=4096"):

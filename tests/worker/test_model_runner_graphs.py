@@ -121,3 +121,33 @@ def test_steps_replay_the_bucket_dispatch_picks_and_padding_changes_nothing(llm)
         )
     steps = {m: runner.steps_by_mode[m] - before[m] for m in before}
     assert steps["full"] + steps["piecewise"] == len(fake.replayed)
+
+
+def test_one_request_engine_captures_a_bucket_of_its_whole_block_table(tmp_path):
+    # max_num_seqs=1: the default token budget is max_model_len (64 tokens, 4 blocks of 16),
+    # and the 64-token bucket must be captured from one request filling its block table.
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    one = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=64,
+              block_size=16, max_num_seqs=1, seed=0)  # fmt: skip
+    assert one.engine.config.scheduler_config.max_num_batched_tokens == 64
+    runner = one.engine.worker.runner
+    plan = GraphPlan(
+        decode_graphs=True,
+        prefill_graphs=True,
+        decode_capture_sizes=[1],
+        prefill_capture_sizes=[64, 16],
+        full_cuda_graph=False,
+        graph_opt_level=0,
+    )
+    fake = EagerGraphs(runner, plan)
+    runner.graph_runner = fake
+    try:
+        runner.capture_model_prefill_and_mixed()
+        runner.capture_model()
+    finally:
+        runner.graph_runner = None
+    assert fake.captured == [
+        ("prefill", 64, 64, 64),
+        ("prefill", 16, 16, 16),
+        ("decode", 1, 1, 1, True),
+    ]
