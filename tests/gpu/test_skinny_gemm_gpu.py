@@ -99,9 +99,10 @@ def test_linear_dispatch():
         skinny_linear_triton(x, w, torch.empty(2, 641, device="cuda", dtype=torch.bfloat16))
 
 
-# (2I, K) of merged gate/up weights: SmolLM2-135M's, Llama-3-8B's, and a ragged one (I = 1000,
-# not a multiple of the 16 output columns of a program; K = 300, not a multiple of the tile).
-GATED_SHAPES = [(3072, 576), (28672, 4096), (2000, 300)]
+# (2I, K) of merged gate/up weights: SmolLM2-135M's, Llama-3-8B's, and ragged ones: I = 1000 is
+# not a multiple of a program's 32 output columns, with K = 300 not a multiple of the 128-deep
+# tile (masked K and N) and with K = 256 a multiple of it (unmasked K, masked N).
+GATED_SHAPES = [(3072, 576), (28672, 4096), (2000, 300), (2000, 256)]
 
 
 def check_gated_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
