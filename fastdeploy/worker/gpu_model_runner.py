@@ -93,9 +93,10 @@ class GPUModelRunner:
         one request's block table. ``progress`` (a tqdm bar) is advanced once per bucket."""
         graphs = self.graph_runner
         buffers = self.buffers
-        # A request fills at most its block table; with the default token budget (at most
-        # max_num_seqs * max_model_len) a bucket then needs at most max_num_seqs requests.
-        max_per_req = buffers.max_blocks_per_seq * buffers.block_size
+        # A request holds at most max_model_len tokens (positions stay in the RoPE cache); a
+        # bucket (at most max_num_batched_tokens <= max_num_seqs * max_model_len tokens) then
+        # needs at most max_num_seqs requests.
+        max_per_req = buffers.max_seq_tokens
         for n in graphs.plan.prefill_capture_sizes:
             # One shared block: a bucket may need more blocks than a small pool has, and what
             # capture writes is never read as real KV.

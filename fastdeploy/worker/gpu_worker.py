@@ -108,6 +108,7 @@ class GpuWorker:
             max_blocks_per_seq=max_blocks_per_seq,
             block_size=block_size,
             device=self.device,
+            max_model_len=cfg.model_config.max_model_len,
         )
         is_driver = self.tp is None or self.tp.is_driver
         self.runner = GPUModelRunner(

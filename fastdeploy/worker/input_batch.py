@@ -84,6 +84,8 @@ class InputBuffers:
         max_blocks_per_seq: ``ceil(max_model_len / block_size)``.
         block_size: tokens per KV block.
         device: where the buffers live.
+        max_model_len: the most tokens a request holds (None: its whole block table); the
+            synthetic capture steps keep their positions below it.
     """
 
     def __init__(
@@ -93,11 +95,14 @@ class InputBuffers:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        max_model_len: int | None = None,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
+        self.max_seq_tokens = min(max_model_len or max_blocks_per_seq * block_size,
+                                  max_blocks_per_seq * block_size)  # fmt: skip
         self.device = device
         r, t = max_num_reqs, max_num_tokens
         # One allocation, one to three copies a step (PackedBuffers): the per-request buffers

@@ -151,3 +151,32 @@ def test_one_request_engine_captures_a_bucket_of_its_whole_block_table(tmp_path)
         ("prefill", 16, 16, 16),
         ("decode", 1, 1, 1, True),
     ]
+
+
+def test_capture_steps_keep_positions_below_max_model_len(tmp_path):
+    # max_model_len=60 is not a multiple of the 16-token block: a 64-token bucket fits one
+    # request's block table (4 blocks) but not its RoPE positions, so it is captured as two.
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=60,
+              block_size=16, max_num_seqs=2, seed=0)  # fmt: skip
+    runner = llm.engine.worker.runner
+    plan = GraphPlan(
+        decode_graphs=False,
+        prefill_graphs=True,
+        decode_capture_sizes=[],
+        prefill_capture_sizes=[64],
+        full_cuda_graph=False,
+        graph_opt_level=0,
+    )
+    seen = []
+
+    class Recording(EagerGraphs):
+        def capture_piecewise(self, num_tokens, input_ids, positions, forward_meta) -> None:
+            seen.append((num_tokens, int(positions[:num_tokens].max())))
+
+    runner.graph_runner = Recording(runner, plan)
+    try:
+        runner.capture_model_prefill_and_mixed()
+    finally:
+        runner.graph_runner = None
+    assert seen == [(64, 31)]  # two requests of 32 tokens
