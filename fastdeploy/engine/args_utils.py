@@ -96,7 +96,8 @@ class EngineArgs:
         default=None,
         metadata=_cli(
             f"token budget of one step (default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
-            "max_num_seqs) with chunked prefill, and at least max_model_len without)",
+            "max_num_seqs) with chunked prefill, and at least max_model_len without; at most "
+            "max_num_seqs * max_model_len)",
             int,
         ),
     )
