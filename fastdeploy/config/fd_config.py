@@ -128,15 +128,6 @@ class FDConfig:
             f"<= max_num_batched_tokens={budget} (every running request needs a token of the "
             "step budget)",
         )
-        if max_model_len is not None:
-            check(
-                budget <= sched.max_num_seqs * max_model_len,
-                "max_num_batched_tokens",
-                budget,
-                f"<= max_num_seqs * max_model_len = {sched.max_num_seqs * max_model_len}, the "
-                "most tokens one step can hold (the start-up profile step and the prefill graph "
-                "buckets are sized by this budget)",
-            )
         if not sched.enable_chunked_prefill and max_model_len is not None:
             check(
                 budget >= max_model_len,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,8 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # Default per-step token budget: large enough to keep the device busy on prefill, small enough
 # that a long prompt (chunked) does not stall the decode requests batched with it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+logger = logging.getLogger(__name__)
 
 
 def _cli(
@@ -284,17 +287,26 @@ class EngineArgs:
 
         With chunked prefill the default is ``max(2048, max_num_seqs)``; without it
         ``max(max_model_len, 2048, max_num_seqs)``, since a whole prompt must then fit one step.
-        Either is capped at ``max_num_seqs * max_model_len``, the most tokens a step can hold
-        (the start-up profile step and the prefill buckets are sized by this budget, and a
-        larger one would ask one request to hold more than ``max_model_len`` tokens).
-        An explicit value is kept as given (and checked by :meth:`FDConfig.validate`).
+        An explicit value is kept as given (and checked by :meth:`FDConfig.validate`), except
+        that it, like the default, is capped at ``max_num_seqs * max_model_len``: no step can
+        hold more tokens, so the cap changes no schedule, but the start-up profile step and the
+        prefill graph buckets are sized by the budget, and a larger one would ask a request to
+        hold more than ``max_model_len`` tokens. An explicit value above the cap is logged.
         """
+        most = self.max_num_seqs * max_model_len
         if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
+            if self.max_num_batched_tokens > most:
+                logger.info(
+                    "max_num_batched_tokens=%d capped at max_num_seqs * max_model_len = %d, "
+                    "the most tokens one step can hold",
+                    self.max_num_batched_tokens,
+                    most,
+                )
+            return min(self.max_num_batched_tokens, most)
         budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)
-        return min(budget, self.max_num_seqs * max_model_len)
+        return min(budget, most)
 
     def resolve_device(self) -> str:
         """``cuda`` or ``cpu``: ``--device`` as given, or (``auto``) CUDA when available.

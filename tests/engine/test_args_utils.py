@@ -174,13 +174,16 @@ def test_max_num_batched_tokens_resolution(kwargs, hf_max, expected):
     assert config.scheduler_config.max_num_batched_tokens == expected
 
 
-def test_explicit_budget_above_what_a_step_can_hold_is_an_error():
+def test_explicit_budget_above_what_a_step_can_hold_is_capped(caplog):
     args = EngineArgs(max_num_batched_tokens=4096, max_num_seqs=1, max_model_len=1024)
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=4096 .*<= max_num_seqs \* "
-                       r"max_model_len = 1024"):  # fmt: skip
-        args.create_engine_config(source(8192))
-    config = EngineArgs(max_num_batched_tokens=1024, max_num_seqs=1, max_model_len=1024)
-    assert config.create_engine_config(source(8192)).scheduler_config.max_num_batched_tokens == 1024
+    with caplog.at_level("INFO", logger="fastdeploy.engine.args_utils"):
+        config = args.create_engine_config(source(8192))
+    assert config.scheduler_config.max_num_batched_tokens == 1024
+    assert "max_num_batched_tokens=4096 capped at max_num_seqs * max_model_len = 1024" in (
+        caplog.text
+    )
+    config = EngineArgs(max_num_batched_tokens=1000, max_num_seqs=1, max_model_len=1024)
+    assert config.create_engine_config(source(8192)).scheduler_config.max_num_batched_tokens == 1000
 
 
 def test_explicit_budget_below_max_model_len_without_chunking_is_an_error():
