@@ -116,9 +116,8 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, MergedColumnParallelLinear):
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        # One rank: the activation can run in the gate/up projection's kernel.
+        # Each rank's gate/up weight is [its gate rows; its up rows], so the activation can run
+        # in the projection's kernel with or without tensor parallelism.
         proj = self.gate_up_proj
         return self.down_proj(gated_silu_linear(x, proj.weight, proj.bias, self.act_fn))
 
