@@ -39,9 +39,11 @@ class EagerGraphs:
         self.runner, self.plan = runner, plan
         self.captured: list[tuple] = []
         self.replayed: list[tuple[str, int, int]] = []
+        self.max_positions: list[int] = []  # per captured prefill bucket
 
     def capture_piecewise(self, num_tokens, input_ids, positions, forward_meta) -> None:
         self.captured.append(("prefill", num_tokens, input_ids.numel(), positions.numel()))
+        self.max_positions.append(int(positions[:num_tokens].max()))
 
     def capture_full_decode(self, batch_size, input_ids, positions, batch, forward_meta) -> None:
         assert forward_meta.kv_caches is self.runner.kv_caches
@@ -64,6 +66,29 @@ class EagerGraphs:
         return self._run(input_ids, forward_meta)
 
 
+def capture_all(runner, plan: GraphPlan) -> EagerGraphs:
+    """Run the runner's two capture loops against an :class:`EagerGraphs` of ``plan``."""
+    fake = EagerGraphs(runner, plan)
+    runner.graph_runner = fake
+    try:
+        runner.capture_model_prefill_and_mixed()
+        runner.capture_model()
+    finally:
+        runner.graph_runner = None
+    return fake
+
+
+def plan_of(prefill: list[int], decode: list[int]) -> GraphPlan:
+    return GraphPlan(
+        decode_graphs=bool(decode),
+        prefill_graphs=bool(prefill),
+        decode_capture_sizes=decode,
+        prefill_capture_sizes=prefill,
+        full_cuda_graph=False,
+        graph_opt_level=0,
+    )
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama_runner")
@@ -81,14 +106,7 @@ def llm(tmp_path_factory):
 
 
 def test_capture_loops_capture_every_bucket_largest_first_from_exact_steps(llm):
-    runner = llm.engine.worker.runner
-    fake = EagerGraphs(runner, PLAN)
-    runner.graph_runner = fake
-    try:
-        runner.capture_model_prefill_and_mixed()
-        runner.capture_model()
-    finally:
-        runner.graph_runner = None
+    fake = capture_all(llm.engine.worker.runner, PLAN)
     assert fake.captured == [
         ("prefill", 64, 64, 64),
         ("prefill", 16, 16, 16),
@@ -130,22 +148,7 @@ def test_one_request_engine_captures_a_bucket_of_its_whole_block_table(tmp_path)
     one = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=64,
               block_size=16, max_num_seqs=1, seed=0)  # fmt: skip
     assert one.engine.config.scheduler_config.max_num_batched_tokens == 64
-    runner = one.engine.worker.runner
-    plan = GraphPlan(
-        decode_graphs=True,
-        prefill_graphs=True,
-        decode_capture_sizes=[1],
-        prefill_capture_sizes=[64, 16],
-        full_cuda_graph=False,
-        graph_opt_level=0,
-    )
-    fake = EagerGraphs(runner, plan)
-    runner.graph_runner = fake
-    try:
-        runner.capture_model_prefill_and_mixed()
-        runner.capture_model()
-    finally:
-        runner.graph_runner = None
+    fake = capture_all(one.engine.worker.runner, plan_of([64, 16], [1]))
     assert fake.captured == [
         ("prefill", 64, 64, 64),
         ("prefill", 16, 16, 16),
@@ -159,24 +162,6 @@ def test_capture_steps_keep_positions_below_max_model_len(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=60,
               block_size=16, max_num_seqs=2, seed=0)  # fmt: skip
-    runner = llm.engine.worker.runner
-    plan = GraphPlan(
-        decode_graphs=False,
-        prefill_graphs=True,
-        decode_capture_sizes=[],
-        prefill_capture_sizes=[64],
-        full_cuda_graph=False,
-        graph_opt_level=0,
-    )
-    seen = []
-
-    class Recording(EagerGraphs):
-        def capture_piecewise(self, num_tokens, input_ids, positions, forward_meta) -> None:
-            seen.append((num_tokens, int(positions[:num_tokens].max())))
-
-    runner.graph_runner = Recording(runner, plan)
-    try:
-        runner.capture_model_prefill_and_mixed()
-    finally:
-        runner.graph_runner = None
-    assert seen == [(64, 31)]  # two requests of 32 tokens
+    fake = capture_all(llm.engine.worker.runner, plan_of([64], []))
+    assert [c[1] for c in fake.captured] == [64]
+    assert fake.max_positions == [31]  # two requests of 32 tokens
