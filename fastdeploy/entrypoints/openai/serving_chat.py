@@ -27,7 +27,12 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     sampling_params_from,
     with_kv_transfer_params,
 )
-from fastdeploy.entrypoints.openai.sse import ChunkTemplate, stream_events, to_json
+from fastdeploy.entrypoints.openai.sse import (
+    ChunkTemplate,
+    StreamUsage,
+    stream_events,
+    to_json,
+)
 
 #: The first streamed chunk's choice: the role, no content yet.
 ROLE_FIELDS = (
@@ -129,15 +134,11 @@ class OpenAIServingChat(OpenAIServing):
         template = ChunkTemplate(
             request_id, "chat.completion.chunk", int(time.time()), self.served_model_name
         )
-        num_tokens = 0
-        num_cached = -1
+        usage = StreamUsage(num_prompt_tokens)
 
         def render(ro: Any) -> str:
-            nonlocal num_tokens, num_cached
-            if num_cached < 0:
-                num_cached = ro.num_cached_tokens
+            usage.count(ro)
             comp = ro.outputs[0]
-            num_tokens += len(comp.delta_token_ids)
             logprobs = None
             if with_logprobs:
                 logprobs = chat_logprobs(self.token_bytes, comp.delta_logprobs)
@@ -151,8 +152,6 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         def closing() -> str:
-            if not include_usage:
-                return ""
-            return template.usage(num_prompt_tokens, num_tokens, max(num_cached, 0))
+            return usage.closing(template, include_usage)
 
         return stream_events(stream, render, closing, first=template.choice(ROLE_FIELDS))

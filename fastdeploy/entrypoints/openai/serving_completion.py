@@ -30,7 +30,12 @@ from fastdeploy.entrypoints.openai.serving_utils import (
     sampling_params_from,
     with_kv_transfer_params,
 )
-from fastdeploy.entrypoints.openai.sse import ChunkTemplate, stream_events, to_json
+from fastdeploy.entrypoints.openai.sse import (
+    ChunkTemplate,
+    StreamUsage,
+    stream_events,
+    to_json,
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -128,15 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
         with_token_ids = self.tokenizer is None
         with_logprobs = params.logprobs is not None
         offsets = self.text_offsets(params)
-        num_tokens = 0
-        num_cached = -1
+        usage = StreamUsage(num_prompt_tokens)
 
         def render(ro: Any) -> str:
-            nonlocal num_tokens, num_cached
-            if num_cached < 0:
-                num_cached = ro.num_cached_tokens
+            usage.count(ro)
             comp = ro.outputs[0]
-            num_tokens += len(comp.delta_token_ids)
             logprobs = None
             if with_logprobs:
                 logprobs = completion_logprobs(self.token_bytes, comp.delta_logprobs, offsets)
@@ -157,8 +158,6 @@ class OpenAIServingCompletion(OpenAIServing):
             return template.choice(fields)
 
         def closing() -> str:
-            if not include_usage:
-                return ""
-            return template.usage(num_prompt_tokens, num_tokens, max(num_cached, 0))
+            return usage.closing(template, include_usage)
 
         return stream_events(stream, render, closing)

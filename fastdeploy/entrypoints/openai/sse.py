@@ -80,6 +80,34 @@ class ChunkTemplate:
         )
 
 
+class StreamUsage:
+    """What a stream's closing usage event counts, fed each output in turn by the renderer:
+    completion tokens (each output's new token ids) and cached prompt tokens (the first
+    output's, as :func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens` takes
+    them).
+
+    Args:
+        num_prompt_tokens: the request's prompt length (tokens).
+    """
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = 0
+        self.num_cached: int | None = None
+
+    def count(self, ro: Any) -> None:
+        """Add a ``RequestOutput``'s new tokens (and take the first one's cached tokens)."""
+        if self.num_cached is None:
+            self.num_cached = ro.num_cached_tokens
+        self.num_tokens += len(ro.outputs[0].delta_token_ids)
+
+    def closing(self, template: ChunkTemplate, include_usage: bool) -> str:
+        """The usage event (:meth:`ChunkTemplate.usage`), or "" without ``include_usage``."""
+        if not include_usage:
+            return ""
+        return template.usage(self.num_prompt_tokens, self.num_tokens, self.num_cached or 0)
+
+
 async def stream_events(
     stream: RequestStream,
     render: Callable[[Any], str],
