@@ -37,8 +37,11 @@ def reset() -> None:
 
 
 def use_flashinfer(x: torch.Tensor) -> bool:
-    """True when ``x`` is on CUDA and the fused ops are on (:func:`fused_ops_enabled`)."""
-    return x.is_cuda and fused_ops_enabled()
+    """True when ``x`` is on CUDA, the fused ops are on (:func:`fused_ops_enabled`) and no
+    ``torch.compile`` is tracing: segments compiled at ``graph_opt_level`` 1 and 2 keep the
+    torch reference ops, which Inductor fuses its own way (dynamo cannot trace flashinfer's
+    JIT-loaded functions, nor the environment variable behind :func:`fused_ops_enabled`)."""
+    return x.is_cuda and not torch.compiler.is_compiling() and fused_ops_enabled()
 
 
 def why_not_fused(device_type: str) -> str | None:
