@@ -21,6 +21,14 @@ and writes ``silu(gate) * up`` (``[M, I]``) instead of ``[gate | up]`` (``[M, 2I
 the activation's kernel and its round trip through memory. Each output is formed once, in the
 epilogue (a prologue in the down projection would make every program recompute the activation of
 the whole row: measured 5 to 8 times slower on an H200).
+
+On sm90 and newer a launch may be a programmatic dependent launch (PDL, ``pdl=True``; CUDA
+programming guide, "Programmatic Dependent Launch and Synchronization"): the kernel lets the next
+kernel of the stream be launched at once (``griddepcontrol.launch_dependents``) and itself waits
+for the previous one to finish (``griddepcontrol.wait``) before it reads ``x``, so a decode step's
+chain of small kernels no longer pays a launch gap at each boundary. flashinfer's kernels do the
+same on sm90. Measured on an H200 (``benchmark_peers.py``, graph decode): Llama-3-8B at batch 1
+4.52 -> 4.44 ms a step, SmolLM2-135M 1.05 -> 0.85 ms.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ __all__ = [
     "gated_silu_reference",
     "pick_config",
     "pick_gated_config",
+    "pdl_supported",
     "skinny_gated_silu_launch",
     "skinny_linear_launch",
     "skinny_linear_triton",
@@ -99,6 +108,19 @@ def _tensor_core_dot(device_index: int) -> bool:
     """Whether the GPU has the compute capability (8.0, Ampere) that Triton's bf16 ``dot``
     needs."""
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def pdl_supported(device_index: int) -> bool:
+    """Whether launches on CUDA device ``device_index`` can be programmatic dependent launches:
+    compute capability 9.0 (Hopper) or newer, and a Triton with ``gdc_wait``."""
+    if triton is None:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:  # a Triton older than 3.4
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -188,7 +210,11 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         EVEN_N: tl.constexpr,
         GATED: tl.constexpr,  # w is [2N, K] (gate rows, then up rows); y = silu(gate) * up
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm90+)
     ):
+        if PDL:  # let the next kernel launch now; wait for the previous one (x is its output)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
         rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rm = tl.arange(0, BLOCK_M)
@@ -270,14 +296,17 @@ def skinny_linear_launch(
     out: torch.Tensor | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """:func:`skinny_linear_triton` without its input check, for callers that already asked
     :func:`use_skinny` (the layers' ``linear``, once per call); ``out`` is still checked.
+    ``pdl``: launch as a programmatic dependent launch (only where :func:`pdl_supported`).
 
     Raises:
         ValueError: a wrong ``out``.
     """
-    return _launch(x, weight, out, config or pick_config(*weight.shape), gated=False)
+    config = config or pick_config(*weight.shape)
+    return _launch(x, weight, out, config, gated=False, pdl=pdl)
 
 
 def skinny_gated_silu_launch(
@@ -286,6 +315,7 @@ def skinny_gated_silu_launch(
     out: torch.Tensor | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``silu_and_mul(x [M, K] @ weight[2I, K].T) -> [M, I]`` in one kernel, ``M <= MAX_ROWS``:
     a SwiGLU MLP's merged gate/up projection and its activation. Equals
@@ -300,12 +330,13 @@ def skinny_gated_silu_launch(
         config: ``(block_n, block_k, num_warps, num_stages)``, ``block_n`` counting output
             columns (the program reads twice as many weight rows); None takes
             :func:`pick_gated_config`'s.
+        pdl: launch as a programmatic dependent launch (only where :func:`pdl_supported`).
 
     Raises:
         ValueError: a wrong ``out``.
     """
     config = config or pick_gated_config(*weight.shape)
-    return _launch(x, weight, out, config, gated=True)
+    return _launch(x, weight, out, config, gated=True, pdl=pdl)
 
 
 def _launch(
@@ -315,6 +346,7 @@ def _launch(
     config: tuple[int, int, int, int] | None,
     *,
     gated: bool,
+    pdl: bool,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -330,7 +362,7 @@ def _launch(
     _skinny_gemm_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EVEN_N=n % block_n == 0, GATED=gated,
-        num_warps=num_warps, num_stages=num_stages,
+        EVEN_N=n % block_n == 0, GATED=gated, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

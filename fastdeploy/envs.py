@@ -163,6 +163,18 @@ FD_USE_SKINNY_GEMM = EnvVar(
     "(custom_ops/skinny_gemm.py) instead of cuBLAS. 0 keeps cuBLAS. Read once per process, when "
     "the first such layer runs.",
 )
+
+FD_SKINNY_GEMM_PDL = EnvVar(
+    "FD_SKINNY_GEMM_PDL",
+    "bool",
+    parse_bool,
+    True,
+    "On sm90 and newer GPUs, launch the skinny GEMM (FD_USE_SKINNY_GEMM) as a programmatic "
+    "dependent launch: the next kernel is launched while it runs and it waits on the previous one "
+    "on the device, which hides the launch gap between a decode step's kernels. 0 launches it "
+    "plainly. Read once per process and device.",
+)
+
 FD_FLASHINFER_USE_TENSOR_CORES = EnvVar(
     "FD_FLASHINFER_USE_TENSOR_CORES",
     "bool | None",

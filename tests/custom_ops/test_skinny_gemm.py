@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from custom_ops import skinny_gemm
 from custom_ops.skinny_gemm import (
     MAX_ROWS,
     gated_silu_reference,
+    pdl_supported,
     pick_config,
     pick_gated_config,
     use_gated_silu,
@@ -71,6 +73,40 @@ def test_fd_use_skinny_gemm_is_read_once(monkeypatch):
             linear_mod.skinny_gemm_enabled()
     finally:
         linear_mod.skinny_gemm_enabled.cache_clear()
+
+
+def test_fd_skinny_gemm_pdl_is_read_once_per_device_and_needs_sm90(monkeypatch):
+    cuda0 = torch.device("cuda", 0)
+    linear_mod.skinny_pdl.cache_clear()
+    monkeypatch.setattr(linear_mod, "pdl_supported", lambda index: index == 0)
+    try:
+        monkeypatch.setenv("FD_SKINNY_GEMM_PDL", "0")
+        assert linear_mod.skinny_pdl(cuda0) is False
+        monkeypatch.setenv("FD_SKINNY_GEMM_PDL", "1")
+        assert linear_mod.skinny_pdl(cuda0) is False  # cached
+        linear_mod.skinny_pdl.cache_clear()
+        assert linear_mod.skinny_pdl(cuda0) is True
+        assert linear_mod.skinny_pdl(torch.device("cuda", 1)) is False  # not sm90 (here)
+        monkeypatch.setenv("FD_SKINNY_GEMM_PDL", "maybe")
+        linear_mod.skinny_pdl.cache_clear()
+        with pytest.raises(ValueError, match="FD_SKINNY_GEMM_PDL='maybe'"):
+            linear_mod.skinny_pdl(cuda0)
+    finally:
+        linear_mod.skinny_pdl.cache_clear()
+
+
+def test_pdl_is_unsupported_without_triton_or_before_sm90(monkeypatch):
+    pdl_supported.cache_clear()
+    try:
+        if skinny_gemm.triton is None:  # CPU builds of torch
+            assert pdl_supported(0) is False
+            return
+        for capability, want in (((8, 0), False), ((8, 9), False), ((9, 0), True)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
+            pdl_supported.cache_clear()
+            assert pdl_supported(0) is want, capability
+    finally:
+        pdl_supported.cache_clear()
 
 
 def test_gated_config_is_the_measured_one_or_the_plain_tiling():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops.skinny_gemm import (
+    pdl_supported,
     skinny_gated_silu_launch,
     skinny_linear_launch,
     use_gated_silu,
@@ -31,6 +32,18 @@ def skinny_gemm_enabled() -> bool:
         ValueError: the variable is set to a value that is not a boolean.
     """
     return envs.FD_USE_SKINNY_GEMM()
+
+
+@functools.lru_cache(maxsize=16)
+def skinny_pdl(device: torch.device) -> bool:
+    """Whether the skinny GEMM launches on ``device`` (CUDA) are programmatic dependent launches:
+    ``FD_SKINNY_GEMM_PDL`` on and :func:`custom_ops.skinny_gemm.pdl_supported` (sm90+). Cached
+    per device; ``cache_clear()`` re-reads.
+
+    Raises:
+        ValueError: the variable is set to a value that is not a boolean.
+    """
+    return envs.FD_SKINNY_GEMM_PDL() and pdl_supported(device.index or 0)
 
 
 def _kernels_allowed(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -66,7 +79,7 @@ def linear(
             dtype on the kernel's path (``torch`` raises RuntimeError for it on cuBLAS's).
     """
     if _kernels_allowed(x, bias) and use_skinny(x, weight) and (out is None or out.stride(1) == 1):
-        return skinny_linear_launch(x, weight, out)
+        return skinny_linear_launch(x, weight, out, pdl=skinny_pdl(x.device))
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -93,7 +106,7 @@ def gated_silu_linear(
         ValueError: as :func:`linear`.
     """
     if _kernels_allowed(x, bias) and use_gated_silu(x, weight):
-        return skinny_gated_silu_launch(x, weight)
+        return skinny_gated_silu_launch(x, weight, pdl=skinny_pdl(x.device))
     return act(linear(x, weight, bias))
 
 
