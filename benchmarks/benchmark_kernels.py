@@ -13,7 +13,8 @@ where the table leaves the shape to cuBLAS), the weight's read rate in TB/s and 
 ``--sweep`` adds the fastest tiling of :data:`SWEEP` per shape, which is how the table was
 chosen. After each gate/up row, a ``+silu`` row: the projection with its SiLU-and-multiply,
 cuBLAS then flashinfer's ``silu_and_mul`` against the gated kernel. Greedy sampling's argmax
-(``custom_ops/argmax_ops.py``) against ``torch.argmax`` on bf16 logits of each preset's vocabulary, at several batch sizes. Each time is Triton's
+(``custom_ops/argmax_ops.py``) against ``torch.argmax`` on bf16 logits of each preset's
+vocabulary, at several batch sizes. Each time is Triton's
 ``do_bench_cudagraph`` (a CUDA graph of the call, replayed) with random inputs; each kernel's
 result with its default tiling is first checked against the reference (the ``--sweep`` tilings
 are only timed; ``tests/gpu/test_skinny_gemm_gpu.py`` checks the kernel's correctness).
