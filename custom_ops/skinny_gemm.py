@@ -28,7 +28,8 @@ kernel of the stream be launched at once (``griddepcontrol.launch_dependents``) 
 for the previous one to finish (``griddepcontrol.wait``) before it reads ``x``, so a decode step's
 chain of small kernels no longer pays a launch gap at each boundary. flashinfer's kernels do the
 same on sm90. Measured on an H200 (``benchmark_peers.py``, graph decode): Llama-3-8B at batch 1
-4.52 -> 4.44 ms a step, SmolLM2-135M 1.05 -> 0.85 ms.
+4.52 -> 4.44 ms a step, SmolLM2-135M 1.05 -> 0.85 ms. The layers launch so only with
+``FD_SKINNY_GEMM_PDL=1``.
 """
 
 from __future__ import annotations
