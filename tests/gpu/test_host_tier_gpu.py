@@ -164,7 +164,9 @@ def scenario(eng: LLMEngine) -> dict:
     before = eng.get_stats()
     rows = spy_logits(eng)
     final = {f"q{i}": p + rand_tokens(SUFFIX, 200 + i, vocab) for i, p in enumerate(prefixes)}
+    steps = dict(eng.worker.runner.steps_by_mode)
     out["tokens"] = run_all(eng, final, MAX_TOKENS)
+    out["final_steps"] = {k: v - steps[k] for k, v in eng.worker.runner.steps_by_mode.items()}
     settle(eng)
     for rid, p in (("f5", flush1), ("f6", flush2)):  # off the device again
         ttft(eng, rid, p)
@@ -269,6 +271,7 @@ def test_layerwise_logits_equal_request_mode_under_32_requests(runs):
           f"hits: max |logit diff| {worst:.4f} over {compared} rows (tolerance "
           f"{GRAPH_LOGIT_ATOL}); {same_tokens}/{2 * NUM_REQS} requests with equal tokens; "
           f"host hit tokens {request['hit_tokens']} / {layerwise['hit_tokens']}; steps of "
+          f"the suffix round: {request['final_steps']} / {layerwise['final_steps']}; of "
           f"the decode-only round: {request['decode_steps']} / "
           f"{layerwise['decode_steps']}")  # fmt: skip
     for r in (request, layerwise):
