@@ -26,10 +26,10 @@ On sm90 and newer a launch may be a programmatic dependent launch (PDL, ``pdl=Tr
 programming guide, "Programmatic Dependent Launch and Synchronization"): the kernel lets the next
 kernel of the stream be launched at once (``griddepcontrol.launch_dependents``) and itself waits
 for the previous one to finish (``griddepcontrol.wait``) before it reads ``x``, so a decode step's
-chain of small kernels no longer pays a launch gap at each boundary. flashinfer's kernels do the
-same on sm90. Measured on an H200 (``benchmark_peers.py``, graph decode): Llama-3-8B at batch 1
-4.52 -> 4.44 ms a step, SmolLM2-135M 1.05 -> 0.85 ms. The layers launch so only with
-``FD_SKINNY_GEMM_PDL=1``.
+chain of small kernels no longer pays a launch gap at each boundary (where the next kernel is a
+PDL launch too, as flashinfer's kernels are on sm90). Measured on an H200
+(``benchmark_peers.py``, graph decode): Llama-3-8B at batch 1 4.52 -> 4.44 ms a step,
+SmolLM2-135M 1.05 -> 0.85 ms. The layers launch so only with ``FD_SKINNY_GEMM_PDL=1``.
 """
 
 from __future__ import annotations
@@ -114,14 +114,16 @@ def _tensor_core_dot(device_index: int) -> bool:
 @functools.lru_cache(maxsize=16)
 def pdl_supported(device_index: int) -> bool:
     """Whether launches on CUDA device ``device_index`` can be programmatic dependent launches:
-    compute capability 9.0 (Hopper) or newer, and a Triton with ``gdc_wait``."""
+    compute capability 9.0 (Hopper) or newer, and Triton 3.4 or newer (``gdc_wait`` and the
+    ``launch_pdl`` launch option; 3.3 has ``gdc_*`` but may drop the unused trigger)."""
     if triton is None:
         return False
     try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except ImportError:  # a Triton older than 3.4
+    except (ImportError, ValueError):
         return False
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -213,7 +215,12 @@ if triton is not None:
         GATED: tl.constexpr,  # w is [2N, K] (gate rows, then up rows); y = silu(gate) * up
         PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm90+)
     ):
-        if PDL:  # let the next kernel launch now; wait for the previous one (x is its output)
+        if PDL:
+            # Let the next kernel launch now, then wait for the previous one (x is its output)
+            # before any global memory access. Safe because a PDL-launched successor waits
+            # (griddepcontrol.wait) for this whole grid to finish and its writes to be visible
+            # before it touches memory, as ours and flashinfer's kernels do; a plain launch is
+            # ordered by the stream anyway. Every program must reach gdc_wait unconditionally.
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
@@ -360,10 +367,11 @@ def _launch(
         )
     block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
     grid = (triton.cdiv(n, block_n),)
+    # launch_pdl only when set: Tritons before 3.4 reject the option even as False.
     _skinny_gemm_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         EVEN_N=n % block_n == 0, GATED=gated, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -327,8 +327,17 @@ class GpuWorker:
         """With ``swap_in_mode=layerwise``, one more eager prefill step as a host hit runs it:
         with per-layer events, so RoPE and the KV write run as separate kernels (the fused
         RoPE + KV store must not write before the layer's copy landed). Without it the first host
-        hit built those kernels (flashinfer's JIT: 58 s for an 8B model on an H200). Returns the
-        steps run (0 or 1)."""
+        hit built those kernels (flashinfer's JIT: 58 s for an 8B model on an H200). Like the
+        rest of the kernel warm-up it runs only where graphs are captured: with graphs off the
+        first host hit still builds them.
+
+        Args:
+            tokens: the warm-up prefill's tokens (one request).
+            block_size: tokens per KV block.
+
+        Returns:
+            The steps run: 1 with a layerwise host tier, else 0.
+        """
         cache = self.config.cache_config  # the host pool itself is allocated after the warm-up
         if cache.swap_space <= 0 or cache.swap_in_mode != "layerwise":
             return 0

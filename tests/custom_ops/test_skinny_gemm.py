@@ -2,6 +2,9 @@
 ``linear`` (the layers' matmul) equals ``F.linear`` everywhere the kernel is not used. The
 kernel itself is checked on the GPU (``tests/gpu/test_skinny_gemm_gpu.py``)."""
 
+import sys
+from types import ModuleType, SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,18 +101,60 @@ def test_fd_skinny_gemm_pdl_is_read_once_per_device_and_needs_sm90(monkeypatch):
         linear_mod.skinny_pdl.cache_clear()
 
 
-def test_pdl_is_unsupported_without_triton_or_before_sm90(monkeypatch):
+def stub_triton(monkeypatch, version: str, with_gdc: bool) -> None:
+    """A stand-in Triton of ``version`` (CPU CI has none), with or without ``gdc_*``."""
+    monkeypatch.setattr(skinny_gemm, "triton", SimpleNamespace(__version__=version))
+    cuda = ModuleType("triton.language.extra.cuda")
+    if with_gdc:
+        cuda.gdc_launch_dependents = cuda.gdc_wait = lambda: None
+    for name in ("triton", "triton.language", "triton.language.extra"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", cuda)
+
+
+@pytest.mark.parametrize(("version", "with_gdc", "capability", "want"), [
+    ("3.5.0", True, (9, 0), True),
+    ("3.4.0", True, (10, 0), True),
+    ("3.5.0", True, (8, 9), False),  # Ada: no griddepcontrol
+    ("3.3.1", True, (9, 0), False),  # gdc_* exists, launch_pdl does not
+    ("3.5.0", False, (9, 0), False),
+])  # fmt: skip
+def test_pdl_needs_triton_3_4_and_sm90(monkeypatch, version, with_gdc, capability, want):
+    stub_triton(monkeypatch, version, with_gdc)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     pdl_supported.cache_clear()
     try:
-        if skinny_gemm.triton is None:  # CPU builds of torch
-            assert pdl_supported(0) is False
-            return
-        for capability, want in (((8, 0), False), ((8, 9), False), ((9, 0), True)):
-            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
-            pdl_supported.cache_clear()
-            assert pdl_supported(0) is want, capability
+        assert pdl_supported(0) is want
     finally:
         pdl_supported.cache_clear()
+
+
+def test_pdl_is_unsupported_without_triton(monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "triton", None)
+    pdl_supported.cache_clear()
+    try:
+        assert pdl_supported(0) is False
+    finally:
+        pdl_supported.cache_clear()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_layers_forward_the_pdl_switch_to_the_launch(monkeypatch, pdl):
+    calls = []
+
+    def launch(kind):
+        return lambda x, w, out=None, *, pdl: calls.append((kind, pdl)) or "launched"
+
+    monkeypatch.setattr(linear_mod, "_kernels_allowed", lambda x, bias: True)
+    monkeypatch.setattr(linear_mod, "use_skinny", lambda x, w: True)
+    monkeypatch.setattr(linear_mod, "use_gated_silu", lambda x, w: True)
+    monkeypatch.setattr(linear_mod, "skinny_pdl", lambda device: pdl)
+    monkeypatch.setattr(linear_mod, "skinny_linear_launch", launch("plain"))
+    monkeypatch.setattr(linear_mod, "skinny_gated_silu_launch", launch("gated"))
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert linear(x, w) == "launched"
+    assert gated_silu_linear(x, w, None, SiluAndMul()) == "launched"
+    assert calls == [("plain", pdl), ("gated", pdl)]
 
 
 def test_gated_config_is_the_measured_one_or_the_plain_tiling():

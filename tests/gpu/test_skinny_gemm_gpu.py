@@ -7,6 +7,9 @@ the piecewise segments pass) and nowhere else; and it replays in a CUDA graph. T
 gated variant (a SwiGLU MLP's gate/up projection ending in ``silu(gate) * up``) against the
 projection followed by ``silu_and_mul``.
 
+With a programmatic dependent launch (sm90+), a chain of kernels replayed in a graph gives the
+same bits as plain launches.
+
 One pytest call on a CUDA host: ``python -m pytest -q tests/gpu/test_skinny_gemm_gpu.py``.
 """
 
@@ -21,6 +24,7 @@ from custom_ops import skinny_gemm
 from custom_ops.skinny_gemm import (
     gated_silu_reference,
     skinny_gated_silu_launch,
+    skinny_linear_launch,
     skinny_linear_triton,
     use_gated_silu,
 )
@@ -158,3 +162,47 @@ def test_gated_silu_writes_out_only_and_replays_in_a_graph():
     with pytest.raises(ValueError, match="out must be"):
         skinny_gated_silu_launch(x, w, buf[:m, : n2 // 2 + 1])
     assert not use_gated_silu(x, w[:-1])  # an odd number of rows is not [gate; up]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not skinny_gemm.pdl_supported(torch.cuda.current_device()),
+    reason="programmatic dependent launch needs sm90+ and Triton 3.4+",
+)
+@pytest.mark.parametrize("rows", [1, 16])
+@torch.inference_mode()
+def test_pdl_chain_in_a_graph_equals_plain_launches(rows: int):
+    # A decode MLP's chain: RMSNorm (flashinfer, a PDL launch on sm90) -> gated gate/up -> down
+    # -> a second layer's gated gate/up, each reading the previous kernel's output. With PDL every
+    # kernel is launched before its predecessor finished; the results must be bit-identical.
+    from fastdeploy.model_executor.layers.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    h, inter = 4096, 14336
+    x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    norm = RMSNorm(h, 1e-5, torch.bfloat16).cuda()
+    gate_up = [
+        torch.randn(2 * inter, h, device="cuda", dtype=torch.bfloat16) / h**0.5 for _ in (0, 1)
+    ]
+    down = torch.randn(h, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+    outs = {}
+    for pdl in (False, True):
+        act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+        mid = torch.empty(rows, h, device="cuda", dtype=torch.bfloat16)
+        last = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+
+        def chain(pdl=pdl, act=act, mid=mid, last=last):
+            skinny_gated_silu_launch(norm(x), gate_up[0], act, pdl=pdl)
+            skinny_linear_launch(act, down, mid, pdl=pdl)
+            skinny_gated_silu_launch(mid, gate_up[1], last, pdl=pdl)
+
+        chain()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        last.zero_()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = last.clone()
+        check_gated_close(act, norm(x), gate_up[0])
+    assert torch.equal(outs[True], outs[False])

@@ -205,7 +205,7 @@ class AllReduceFusion:
             token_num=num_tokens,
             hidden_dim=x.shape[1],
             workspace_ptrs=self.workspace,
-            launch_with_pdl=False,  # the kernels around it are not launched with PDL
+            launch_with_pdl=False,  # a plain launch: stream-ordered against its neighbours
             trigger_completion_at_end=True,
             fp32_acc=True,
             pattern_code=AR_RESIDUAL_RMSNORM,

@@ -43,7 +43,8 @@ def skinny_pdl(device: torch.device) -> bool:
     Raises:
         ValueError: the variable is set to a value that is not a boolean.
     """
-    return envs.FD_SKINNY_GEMM_PDL() and pdl_supported(device.index or 0)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return envs.FD_SKINNY_GEMM_PDL() and pdl_supported(index)
 
 
 def _kernels_allowed(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
