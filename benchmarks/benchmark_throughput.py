@@ -4,6 +4,8 @@ One command, fixed seed, a warm-up, one text table naming device, model and work
 
     python benchmarks/benchmark_throughput.py --num-prompts 64 --input-len 128 --output-len 64
 
+``--json FILE`` also writes the numbers (``step_speed_report.py`` reads it as the offline rate).
+
 Lengths are drawn uniformly from ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; prompts are
 random token ids; ``ignore_eos`` makes every request produce exactly its output length.
 """
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
     engine_args = EngineArgs.from_cli_args(args)
@@ -63,6 +66,7 @@ def main() -> None:
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     model = llm.engine.source.path
+    steps = {k: v - before[k] for k, v in llm.engine.get_stats()["steps_by_mode"].items()}
     rows = [
         ("device", device_name()),
         ("model", f"{model} ({llm.engine.worker.dtype})"),
@@ -77,12 +81,7 @@ def main() -> None:
             f"{llm.engine.config.scheduler_config.max_num_seqs} / "
             f"{llm.engine.config.scheduler_config.max_num_batched_tokens}",
         ),
-        (
-            "steps by mode",
-            json.dumps(
-                {k: v - before[k] for k, v in llm.engine.get_stats()["steps_by_mode"].items()}
-            ),
-        ),
+        ("steps by mode", json.dumps(steps)),
         ("wall time (s)", f"{elapsed:.2f}"),
         ("input tokens", str(n_in)),
         ("output tokens", str(n_out)),
@@ -96,6 +95,23 @@ def main() -> None:
     for k, v in rows:
         print(f"{k:<{width}} | {v}")
     print("=" * (width + 50))
+    if args.json:
+        payload = {
+            "device": device_name(),
+            "model": str(model),
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "max_num_seqs": llm.engine.config.scheduler_config.max_num_seqs,
+            "wall_s": elapsed,
+            "input_tokens": n_in,
+            "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed,
+            "steps_by_mode": steps,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+"""The step-speed table (goal, measured, met) from the JSON files of one benchmark run.
+
+Each row of the table comes from one of the project's benchmarks; ``run_step_speed.sh`` runs them
+all on one host into one directory, and this script reads that directory::
+
+    bash benchmarks/run_step_speed.sh /tmp/step_speed       # a CUDA host; it ends with this
+    python benchmarks/step_speed_report.py /tmp/step_speed  # the table again, from the files
+
+Files (a missing one leaves its rows "not measured"):
+
+* ``peers.json``: ``benchmark_peers.py --json`` (``fastdeploy-graph`` and ``hf-compile`` on the
+  SmolLM2-135M and Llama-3-8B shapes at batch 1, 16 and 64): decode ms/step and the tok/s
+  ratio against ``transformers`` with a static cache and ``torch.compile``;
+* ``prefill_smollm2-135m.json``, ``prefill_llama3-8b.json``: ``benchmark_prefill.py --tokens 16
+  --decode-batches 1 --json``: the piecewise prefill of 16 tokens, and the kernels of a graph
+  decode step at batch 1 against the unfused eager step (``FD_USE_FUSED_OPS=0``);
+* ``served.json``: ``benchmark_serving.py --json`` against the server with 64 concurrent streams
+  (256 prompt tokens, 128 output tokens): output tok/s and TPOT p50;
+* ``offline.json``: ``benchmark_throughput.py --json`` on the same workload: the offline rate.
+
+The goals are those of the project's step-speed issue (#13). The script prints the table and
+how many rows met their goal; it exits 0 either way (a benchmark reports, it does not gate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SMALL, LARGE = "smollm2-135m", "llama3-8b"
+#: ``benchmark_peers.py`` systems whose rows the table reads.
+OURS, PEER = "fastdeploy-graph", "hf-compile"
+
+
+@dataclass
+class Row:
+    """One line of the table: ``value`` None when its file or entry is missing."""
+
+    name: str
+    goal: str
+    value: float | None
+    met: bool | None
+    source: str
+
+
+def load(directory: Path, name: str) -> dict | None:
+    """The parsed ``directory/name``, or None when it is missing.
+
+    Raises:
+        ValueError: the file exists but is not JSON (names the file).
+    """
+    path = directory / name
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def peer_row(peers: dict | None, system: str, model: str, batch: int) -> dict | None:
+    """The ``benchmark_peers.py`` row of ``system`` on ``model`` at ``batch`` (None if absent or
+    failed)."""
+    for r in (peers or {}).get("rows", []):
+        if (r["system"], r["model"], r["batch"]) == (system, model, batch) and not r.get("error"):
+            return r
+    return None
+
+
+def prefill_row(prefill: dict | None, tokens: int) -> dict | None:
+    for r in (prefill or {}).get("rows", []):
+        if r["tokens"] == tokens:
+            return r
+    return None
+
+
+def decode_row(prefill: dict | None, batch: int) -> dict | None:
+    for r in (prefill or {}).get("decode", []):
+        if r["batch"] == batch:
+            return r
+    return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def get(row: dict | None, key: str) -> float | None:
+    return None if row is None else row.get(key)
+
+
+def build_rows(directory: Path) -> list[Row]:
+    """The table's rows from the files in ``directory`` (see the module docstring)."""
+    peers = load(directory, "peers.json")
+    pre = {m: load(directory, f"prefill_{m}.json") for m in (SMALL, LARGE)}
+    served, offline = load(directory, "served.json"), load(directory, "offline.json")
+    rows: list[Row] = []
+
+    def add(name: str, op: str, goal: float, value: float | None, source: str) -> None:
+        compare: Callable[[float, float], bool] = operator.le if op == "<=" else operator.ge
+        met = None if value is None else compare(value, goal)
+        rows.append(Row(name, f"{op} {goal:.3g}", value, met, source))
+
+    for model, batch, goal in ((SMALL, 1, 1.0), (SMALL, 64, 1.6), (LARGE, 1, 4.5)):
+        value = get(peer_row(peers, OURS, model, batch), "ms_step")
+        add(f"{model} decode step, batch {batch} (ms)", "<=", goal, value, "peers.json")
+    for model, goal in ((SMALL, 1.0), (LARGE, 4.5)):
+        value = get(prefill_row(pre[model], 16), "piecewise_ms")
+        source = f"prefill_{model}.json"
+        add(f"{model} prefill, 16 tokens, piecewise (ms)", "<=", goal, value, source)
+    for model in (SMALL, LARGE):
+        for batch in (16, 64):
+            ours = get(peer_row(peers, OURS, model, batch), "tok_s")
+            theirs = get(peer_row(peers, PEER, model, batch), "tok_s")
+            name = f"{model} tok/s vs HF compile, batch {batch} (x)"
+            add(name, ">=", 2.5, ratio(ours, theirs), "peers.json")
+    served_s = (served or {}).get("summary", {})
+    add(
+        "served / offline output tok/s, 135M, 64 streams",
+        ">=",
+        0.9,
+        ratio(served_s.get("output_throughput"), (offline or {}).get("output_tok_s")),
+        "served.json, offline.json",
+    )
+    tpot = served_s.get("tpot_ms", {}).get("p50")
+    add("served TPOT p50, 64 streams (ms)", "<=", 2.0, tpot, "served.json")
+    d = decode_row(pre[SMALL], 1)
+    share = ratio(get(d, "graph_kernels"), get(d, "unfused_eager_kernels"))
+    name = f"{SMALL} kernels per decode step, b1 (graph / unfused)"
+    add(name, "<=", 1 / 3, share, f"prefill_{SMALL}.json")
+    return rows
+
+
+def workload_notes(directory: Path) -> list[str]:
+    """Warnings where the served and offline runs did not measure the same workload."""
+    served, offline = load(directory, "served.json"), load(directory, "offline.json")
+    if not served or not offline:
+        return []
+    a = served.get("args", {})
+    notes = []
+    for key in ("num_prompts", "input_len", "output_len"):
+        if a.get(key) != offline.get(key):
+            notes.append(f"warning: served {key}={a.get(key)} but offline {key}={offline.get(key)}")
+    if offline.get("range_ratio", 0) != a.get("range_ratio", 0):
+        notes.append("warning: served and offline draw lengths with different --range-ratio")
+    return notes
+
+
+def render(rows: list[Row], notes: list[str]) -> str:
+    """The table as text, with the count of rows that met their goal."""
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'row':<{width}} {'goal':>8} {'measured':>9} {'met':>4}  source"]
+    lines.append("-" * (len(lines[0]) + 20))
+    for r in rows:
+        value = "-" if r.value is None else f"{r.value:.3f}"
+        met = "-" if r.met is None else ("yes" if r.met else "NO")
+        lines.append(f"{r.name:<{width}} {r.goal:>8} {value:>9} {met:>4}  {r.source}")
+    measured = [r for r in rows if r.met is not None]
+    lines.append(
+        f"{sum(r.met for r in measured)} of {len(measured)} measured rows met their goal; "
+        f"{len(rows) - len(measured)} not measured"
+    )
+    return "\n".join(lines + notes)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="where run_step_speed.sh wrote the files")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        raise SystemExit(f"directory={str(args.directory)!r} is invalid; allowed: a directory")
+    rows = build_rows(args.directory)
+    print(render(rows, workload_notes(args.directory)))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
