@@ -62,26 +62,11 @@ def load(directory: Path, name: str) -> dict | None:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def peer_row(peers: dict | None, system: str, model: str, batch: int) -> dict | None:
-    """The ``benchmark_peers.py`` row of ``system`` on ``model`` at ``batch`` (None if absent or
-    failed)."""
-    for r in (peers or {}).get("rows", []):
-        if (r["system"], r["model"], r["batch"]) == (system, model, batch) and not r.get("error"):
-            return r
-    return None
-
-
-def prefill_row(prefill: dict | None, tokens: int) -> dict | None:
-    for r in (prefill or {}).get("rows", []):
-        if r["tokens"] == tokens:
-            return r
-    return None
-
-
-def decode_row(prefill: dict | None, batch: int) -> dict | None:
-    for r in (prefill or {}).get("decode", []):
-        if r["batch"] == batch:
-            return r
+def find(entries: list[dict], **match) -> dict | None:
+    """The first entry whose fields equal ``match`` and that records no error, else None."""
+    for e in entries:
+        if all(e.get(k) == v for k, v in match.items()) and not e.get("error"):
+            return e
     return None
 
 
@@ -95,7 +80,7 @@ def get(row: dict | None, key: str) -> float | None:
 
 def build_rows(directory: Path) -> list[Row]:
     """The table's rows from the files in ``directory`` (see the module docstring)."""
-    peers = load(directory, "peers.json")
+    peer_rows = (load(directory, "peers.json") or {}).get("rows", [])
     pre = {m: load(directory, f"prefill_{m}.json") for m in (SMALL, LARGE)}
     served, offline = load(directory, "served.json"), load(directory, "offline.json")
     rows: list[Row] = []
@@ -106,16 +91,16 @@ def build_rows(directory: Path) -> list[Row]:
         rows.append(Row(name, f"{op} {goal:.3g}", value, met, source))
 
     for model, batch, goal in ((SMALL, 1, 1.0), (SMALL, 64, 1.6), (LARGE, 1, 4.5)):
-        value = get(peer_row(peers, OURS, model, batch), "ms_step")
+        value = get(find(peer_rows, system=OURS, model=model, batch=batch), "ms_step")
         add(f"{model} decode step, batch {batch} (ms)", "<=", goal, value, "peers.json")
     for model, goal in ((SMALL, 1.0), (LARGE, 4.5)):
-        value = get(prefill_row(pre[model], 16), "piecewise_ms")
+        value = get(find((pre[model] or {}).get("rows", []), tokens=16), "piecewise_ms")
         source = f"prefill_{model}.json"
         add(f"{model} prefill, 16 tokens, piecewise (ms)", "<=", goal, value, source)
     for model in (SMALL, LARGE):
         for batch in (16, 64):
-            ours = get(peer_row(peers, OURS, model, batch), "tok_s")
-            theirs = get(peer_row(peers, PEER, model, batch), "tok_s")
+            ours = get(find(peer_rows, system=OURS, model=model, batch=batch), "tok_s")
+            theirs = get(find(peer_rows, system=PEER, model=model, batch=batch), "tok_s")
             name = f"{model} tok/s vs HF compile, batch {batch} (x)"
             add(name, ">=", 2.5, ratio(ours, theirs), "peers.json")
     served_s = (served or {}).get("summary", {})
@@ -128,7 +113,7 @@ def build_rows(directory: Path) -> list[Row]:
     )
     tpot = served_s.get("tpot_ms", {}).get("p50")
     add("served TPOT p50, 64 streams (ms)", "<=", 2.0, tpot, "served.json")
-    d = decode_row(pre[SMALL], 1)
+    d = find((pre[SMALL] or {}).get("decode", []), batch=1)
     share = ratio(get(d, "graph_kernels"), get(d, "unfused_eager_kernels"))
     name = f"{SMALL} kernels per decode step, b1 (graph / unfused)"
     add(name, "<=", 1 / 3, share, f"prefill_{SMALL}.json")

@@ -64,24 +64,32 @@ def test_matches_float32_like_cublas(m: int, n: int, k: int, dtype: torch.dtype)
     check_close(skinny_linear_triton(x, w), x, w)
 
 
-def test_writes_out_only_and_replays_in_a_graph():
+def check_out_only_and_replay(launch, check, n_weight: int, n_out: int, device="cuda"):
+    """``launch(x, w, out)`` with 5 rows of a strided ``x`` and a strided ``out`` (rows of a
+    wider persistent buffer, as the QKV buffer of the segments): it returns ``out``, ``check``
+    passes, the rest of the buffer keeps its sentinel, and a graph of the launch replays on new
+    ``x``. Returns ``(x, w, buffer)``."""
     torch.manual_seed(0)
-    m, n, k = 5, 1000, 576
-    x = torch.randn(m, k + 40, device="cuda", dtype=torch.bfloat16)[:, :k]  # rows k + 40 apart
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    # A strided out: rows of a wider persistent buffer, as the QKV buffer of the segments.
-    buf = torch.full((16, n + 24), 7.0, device="cuda", dtype=torch.bfloat16)
-    out = buf[:m, :n]
-    assert skinny_linear_triton(x, w, out) is out
-    check_close(out, x, w)
-    assert (buf[:m, n:] == 7).all() and (buf[m:] == 7).all()
+    m, k = 5, 576
+    x = torch.randn(m, k + 40, device=device, dtype=torch.bfloat16)[:, :k]  # rows k + 40 apart
+    w = torch.randn(n_weight, k, device=device, dtype=torch.bfloat16) / k**0.5
+    buf = torch.full((16, n_out + 24), 7.0, device=device, dtype=torch.bfloat16)
+    out = buf[:m, :n_out]
+    assert launch(x, w, out) is out
+    check(out, x, w)
+    assert (buf[:m, n_out:] == 7).all() and (buf[m:] == 7).all()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        skinny_linear_triton(x, w, out)
+        launch(x, w, out)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    check_close(out, x, w)
+    check(out, x, w)
+    return x, w, buf
+
+
+def test_writes_out_only_and_replays_in_a_graph():
+    check_out_only_and_replay(skinny_linear_triton, check_close, 1000, 1000)
 
 
 def test_linear_dispatch():
@@ -143,24 +151,10 @@ def test_gated_silu_matches_projection_then_silu_and_mul(m, n, k, dtype):
 
 
 def test_gated_silu_writes_out_only_and_replays_in_a_graph():
-    torch.manual_seed(0)
-    m, n2, k = 5, 2000, 576
-    x = torch.randn(m, k + 40, device="cuda", dtype=torch.bfloat16)[:, :k]  # rows k + 40 apart
-    w = torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    buf = torch.full((16, n2 // 2 + 24), 7.0, device="cuda", dtype=torch.bfloat16)
-    out = buf[:m, : n2 // 2]
-    assert skinny_gated_silu_launch(x, w, out) is out
-    check_gated_close(out, x, w)
-    assert (buf[:m, n2 // 2 :] == 7).all() and (buf[m:] == 7).all()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        skinny_gated_silu_launch(x, w, out)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    check_gated_close(out, x, w)
+    launch, check = skinny_gated_silu_launch, check_gated_close
+    x, w, buf = check_out_only_and_replay(launch, check, 2000, 1000)
     with pytest.raises(ValueError, match="out must be"):
-        skinny_gated_silu_launch(x, w, buf[:m, : n2 // 2 + 1])
+        skinny_gated_silu_launch(x, w, buf[:5, :1001])
     assert not use_gated_silu(x, w[:-1])  # an odd number of rows is not [gate; up]
 
 

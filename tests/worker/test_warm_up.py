@@ -30,6 +30,21 @@ class FakeEvent:
         self.waited += 1
 
 
+def spy_kv_stores(runner, monkeypatch) -> list:
+    """Record, per step the runner builds, what the first layer gets from
+    ``ForwardMeta.kv_store`` (None: the layers do not store K/V with their RoPE)."""
+    kv_stores = []
+    forward_meta = runner.build_forward_meta
+
+    def spy(inputs, layer_events=None):
+        meta = forward_meta(inputs, layer_events)
+        kv_stores.append(meta.kv_store(0))
+        return meta
+
+    monkeypatch.setattr(runner, "build_forward_meta", spy)
+    return kv_stores
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama_warm_up")
@@ -48,15 +63,7 @@ def test_layerwise_host_tier_warms_up_the_host_hit_path(llm, monkeypatch, swap_s
     monkeypatch.setattr(cache, "swap_in_mode", mode)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.made.clear()
-    kv_stores = []
-    forward_meta = worker.runner.build_forward_meta
-
-    def spy(inputs, layer_events=None):
-        meta = forward_meta(inputs, layer_events)
-        kv_stores.append(meta.kv_store(0))
-        return meta
-
-    monkeypatch.setattr(worker.runner, "build_forward_meta", spy)
+    kv_stores = spy_kv_stores(worker.runner, monkeypatch)
     before = dict(worker.runner.steps_by_mode)
     assert worker._warm_up_layerwise_swap_in(16, cache.block_size) == steps
     assert worker.runner.steps_by_mode["eager"] - before["eager"] == steps
@@ -75,15 +82,7 @@ def test_layerwise_host_tier_warms_up_the_host_hit_path(llm, monkeypatch, swap_s
 def test_without_events_the_layers_store_kv_with_their_rope(llm, monkeypatch):
     # The contrast that makes the check above meaningful: a plain prefill fuses the KV store.
     runner = llm.engine.worker.runner
-    kv_stores = []
-    forward_meta = runner.build_forward_meta
-
-    def spy(inputs, layer_events=None):
-        meta = forward_meta(inputs, layer_events)
-        kv_stores.append(meta.kv_store(0))
-        return meta
-
-    monkeypatch.setattr(runner, "build_forward_meta", spy)
+    kv_stores = spy_kv_stores(runner, monkeypatch)
     runner.execute_model(dummy_step([16], llm.engine.worker.config.cache_config.block_size))
     runner.reset_sampling_state()
     assert len(kv_stores) == 1 and kv_stores[0] is not None
