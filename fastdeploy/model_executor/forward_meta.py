@@ -26,7 +26,7 @@ class ForwardMeta:
             step's host-tier swap-in of that layer's KV landed: the layer's attention makes the
             device stream wait on it before reading its cache (``swap_in_mode=layerwise``).
         slot_mapping: int64 ``[>= T]``, the step's slot of each token (-1: padding), when the
-            layers may store K/V in their RoPE kernel (:meth:`kv_store`); None: the attention
+            layers store K/V in their RoPE kernel (:meth:`kv_store`); None: the attention
             backend stores them.
     """
 
@@ -38,9 +38,16 @@ class ForwardMeta:
 
     def kv_store(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(kv_caches[layer_idx], slot_mapping)`` where a layer should store its K/V with its
-        RoPE (one fused kernel on CUDA) instead of in the attention, else None: without a slot
-        mapping, and under a layer-by-layer swap-in, whose copy into the cache must land (the
-        layer's event) before anything writes there."""
-        if self.slot_mapping is None or self.layer_events is not None:
+        RoPE (one fused kernel on CUDA) instead of in the attention, else None (no slot mapping:
+        the attention stores them).
+
+        Under a layer-by-layer swap-in (``layer_events``) the device stream first waits on the
+        layer's event, so nothing writes or reads that layer's cache before its copy landed;
+        the attention then does not wait again (``write_kv=False``). A host hit thus runs the
+        same kernels as any other prefill: ``request`` and ``layerwise`` swap-ins give the
+        same logits, and the first host hit builds no kernel of its own."""
+        if self.slot_mapping is None:
             return None
+        if self.layer_events is not None:
+            self.layer_events[layer_idx].wait()
         return self.kv_caches[layer_idx], self.slot_mapping

@@ -304,10 +304,9 @@ class GpuWorker:
             self.runner.execute_model(dummy_step([prefill], block_size))
             decode = [1] * min(2, sched.max_num_seqs)
             self.runner.execute_model(dummy_step(decode, block_size, history=1, share_block=True))
-            warm_steps = 2 + self._warm_up_layerwise_swap_in(prefill, block_size)
             torch.cuda.synchronize()
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
-            self.runner.steps_by_mode["eager"] -= warm_steps
+            self.runner.steps_by_mode["eager"] -= 2
             gcfg = self.config.graph_opt_config
             graphs = self.runner.init_graph_runner(
                 plan, gcfg.cudagraph_num_of_warmups, gcfg.graph_opt_level
@@ -322,30 +321,6 @@ class GpuWorker:
                 self.runner.graph_runner = None
                 raise
         self.runner.reset_sampling_state()
-
-    def _warm_up_layerwise_swap_in(self, tokens: int, block_size: int) -> int:
-        """With ``swap_in_mode=layerwise``, one more eager prefill step as a host hit runs it:
-        with per-layer events, so RoPE and the KV write run as separate kernels (the fused
-        RoPE + KV store must not write before the layer's copy landed). Without it the first host
-        hit built those kernels (flashinfer's JIT: 58 s for an 8B model on an H200). Like the
-        rest of the kernel warm-up it runs only where graphs are captured: with graphs off the
-        first host hit still builds them.
-
-        Args:
-            tokens: the warm-up prefill's tokens (one request).
-            block_size: tokens per KV block.
-
-        Returns:
-            The steps run: 1 with a layerwise host tier, else 0.
-        """
-        cache = self.config.cache_config  # the host pool itself is allocated after the warm-up
-        if cache.swap_space <= 0 or cache.swap_in_mode != "layerwise":
-            return 0
-        events = [torch.cuda.Event() for _ in self.runner.kv_caches]
-        for event in events:  # already complete: nothing to wait for
-            event.record()
-        self.runner.execute_model(dummy_step([tokens], block_size), layer_events=events)
-        return 1
 
     def execute_model(
         self,

@@ -49,11 +49,21 @@ def test_kv_stored_with_rope_equals_kv_stored_by_attention(name):
     assert any(c.abs().sum() > 0 for c in by_rope.kv_caches)
 
 
-def test_kv_store_is_off_without_slots_and_under_layer_events():
+def test_kv_store_is_off_without_slots_and_waits_under_layer_events():
     caches = [torch.zeros(1), torch.zeros(2)]
     slots = torch.tensor([0, -1])
     meta = ForwardMeta(None, None, caches, slot_mapping=slots)
     cache, got_slots = meta.kv_store(1)
     assert cache is caches[1] and got_slots is slots
     assert dataclasses.replace(meta, slot_mapping=None).kv_store(0) is None
-    assert dataclasses.replace(meta, layer_events=[object(), object()]).kv_store(0) is None
+    waited = []
+
+    class Event:
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            waited.append(self.i)
+
+    under_swap_in = dataclasses.replace(meta, layer_events=[Event(0), Event(1)])
+    assert under_swap_in.kv_store(1) == (caches[1], slots) and waited == [1]

@@ -40,9 +40,11 @@ class Attention(nn.Module):
         """Write K/V to this layer's cache (unless ``write_kv`` is False: the RoPE kernel
         stored them, see :meth:`ForwardMeta.kv_store`) and attend.
 
-        With ``forward_meta.layer_events`` (a layer-by-layer host-tier swap-in), the device
-        stream first waits on this layer's event, so the cache is read only after its copy
-        landed; earlier layers ran meanwhile and no host thread waits.
+        With ``forward_meta.layer_events`` (a layer-by-layer host-tier swap-in) and
+        ``write_kv``, the device stream first waits on this layer's event, so the cache is
+        written and read only after its copy landed; earlier layers ran meanwhile and no host
+        thread waits. ``write_kv=False`` means the caller stored K/V through
+        :meth:`ForwardMeta.kv_store`, which already waited.
 
         Args:
             q: ``[T, num_heads * head_dim]``; k, v: ``[T, num_kv_heads * head_dim]``.
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype.
         """
-        if forward_meta.layer_events is not None:
+        if write_kv and forward_meta.layer_events is not None:
             forward_meta.layer_events[self.layer_idx].wait()
         return forward_meta.attn_backend.forward(
             q,
