@@ -168,13 +168,13 @@ FD_SKINNY_GEMM_PDL = EnvVar(
     "FD_SKINNY_GEMM_PDL",
     "bool",
     parse_bool,
-    False,
-    "1: on sm90 and newer GPUs, launch the skinny GEMM (FD_USE_SKINNY_GEMM) as a programmatic "
-    "dependent launch: the next kernel (if a PDL launch too, as flashinfer's are) is launched "
-    "while it runs and it waits on the previous one on the device, which hides the launch gap "
-    "between a decode step's kernels (H200, graph "
-    "decode at batch 1: Llama-3-8B 4.52 -> 4.44 ms, SmolLM2-135M 1.05 -> 0.85). Off by default "
-    "until the GPU suite has passed with it on. Read once per process and device.",
+    True,
+    "On sm90 and newer GPUs with Triton 3.4+, launch the skinny GEMM (FD_USE_SKINNY_GEMM) as a "
+    "programmatic dependent launch: the next kernel (if a PDL launch too, as flashinfer's are) "
+    "is launched while it runs and it waits on the previous one on the device, which hides the "
+    "launch gap between a decode step's kernels (H200, graph decode at batch 1: Llama-3-8B "
+    "4.52 -> 4.44 ms, SmolLM2-135M 1.05 -> 0.85). 0: plain launches. Read once per process and "
+    "device.",
 )
 
 FD_FLASHINFER_USE_TENSOR_CORES = EnvVar(

@@ -84,7 +84,7 @@ def test_fd_skinny_gemm_pdl_is_read_once_per_device_and_needs_sm90(monkeypatch):
     monkeypatch.setattr(linear_mod, "pdl_supported", lambda index: index == 0)
     try:
         monkeypatch.delenv("FD_SKINNY_GEMM_PDL", raising=False)
-        assert linear_mod.skinny_pdl(cuda0) is False  # off by default
+        assert linear_mod.skinny_pdl(cuda0) is True  # on by default
         linear_mod.skinny_pdl.cache_clear()
         monkeypatch.setenv("FD_SKINNY_GEMM_PDL", "0")
         assert linear_mod.skinny_pdl(cuda0) is False
