@@ -306,18 +306,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
             name = Path(model).name if Path(model).is_dir() else model
             for system in args.systems:
                 rows += run_system(system, name, model_dir, args, w, vocab)
+                if args.json:  # after each system: a run cut short keeps what it measured
+                    write_json(args.json, rows, args)
     print_table(rows, args)
-    if args.json:
-        payload = {
-            "device": device_name(),
-            "dtype": args.dtype,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "seed": args.seed,
-            "rows": [asdict(r) for r in rows],
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=1))
     return rows
+
+
+def write_json(path: str, rows: list[Row], args) -> None:
+    """The rows so far and the run's settings, as ``--json`` documents them."""
+    payload = {
+        "device": device_name(),
+        "dtype": args.dtype,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "rows": [asdict(r) for r in rows],
+    }
+    Path(path).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":
