@@ -250,16 +250,20 @@ class KVCacheManager:
 
         A request with no block filled since its last offer is skipped without a call: most
         decode steps fill none. Skipping it is exact: :meth:`cache_full_blocks` would change
-        nothing, and could not raise, as its table holds every block offered so far.
+        nothing, and could not raise, as its table holds every block offered so far. The test
+        ``min(num_computed_tokens, num_tokens) // block_size > offered`` is written as both
+        counts reaching the end of the next block, so a skipped request costs one comparison
+        and no ``num_tokens`` (this runs twice a step for every running request).
         """
         if self.prefix_cache is None:
             return
         offered = self._num_offered_blocks
         block_size = self.block_size
         for request in requests:
-            known = min(request.num_computed_tokens, request.num_tokens)
-            if known // block_size > offered.get(request.request_id, 0):
-                self.cache_full_blocks(request, known)
+            next_end = (offered.get(request.request_id, 0) + 1) * block_size
+            computed = request.num_computed_tokens
+            if computed >= next_end and request.num_tokens >= next_end:
+                self.cache_full_blocks(request, min(computed, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Drop the request's reference on each of its blocks and clear ``request.block_ids``.

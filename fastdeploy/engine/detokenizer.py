@@ -54,15 +54,16 @@ class IncrementalDetokenizer:
         """Append one token; returns how many characters the text grew by (0 while a UTF-8
         character is still incomplete)."""
         self.ids.append(token_id)
-        before = len(self.text)
         if self._stream is not None:
             piece = self._stream.step(self._backend, token_id)
-            if piece:
-                self.text += piece
-        else:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-            if not text.endswith("\ufffd"):
-                self.text = text
+            if not piece:
+                return 0
+            self.text += piece
+            return len(piece)
+        before = len(self.text)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            self.text = text
         return len(self.text) - before
 
     def truncate(self, num_chars: int) -> None:

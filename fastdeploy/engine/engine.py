@@ -373,17 +373,17 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
                 kv_params = self._hold_for_decode(request, token_id, logprobs)
             self.scheduler.finish_request(request, status)
         detok = request.detokenizer
-        return EngineOutput(
+        return EngineOutput(  # positional: once per request per step
             request.request_id,
             [token_id],
             logprobs,
             finished,
             status.value if finished else None,
-            request.num_prompt_tokens,
+            len(request.prompt_token_ids),  # num_prompt_tokens
             request.reported_cached_tokens,
-            new_text=detok.take_delta(finished) if detok is not None else "",
-            stop_reason=request.stop_reason if finished else None,
-            kv_transfer_params=kv_params,
+            detok.take_delta(finished) if detok is not None else "",  # new_text
+            request.stop_reason if finished else None,
+            kv_params,
         )
 
     def get_stats(self) -> dict:

@@ -39,6 +39,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+from fastdeploy.core.outputs import EngineOutputList
 from fastdeploy.engine.engine_loop import Command, Emit, EngineLoop, StopLoop
 
 if TYPE_CHECKING:
@@ -300,7 +301,9 @@ def _pump(conn: Any, commands: queue.SimpleQueue, ready: threading.Event) -> Non
 class _Emitter:
     """Sends the loop's messages up the pipe. A message that does not pickle (an exception
     type defined without pickling in mind) is sent again with its errors made portable; a
-    closed pipe (the server is gone) stops the loop."""
+    closed pipe (the server is gone) stops the loop. A ``step`` message's outputs go as an
+    :class:`~fastdeploy.core.outputs.EngineOutputList` (one list of field tuples in the pickle;
+    the server unpickles a plain list of outputs)."""
 
     def __init__(self, conn: Any, commands: queue.SimpleQueue) -> None:
         self.conn = conn
@@ -312,6 +315,8 @@ class _Emitter:
             return
         if kind in ("fail", "dead", "error"):
             args = (*args[:-1], portable_error(args[-1]))
+        elif kind == "step":
+            args = (EngineOutputList(args[0]), *args[1:])
         try:
             try:
                 self.conn.send((kind, *args))

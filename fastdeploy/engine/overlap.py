@@ -94,17 +94,18 @@ class OverlapStepMixin:
 
     def _finish_step(self, step: LaunchedStep) -> list[EngineOutput]:
         """Wait for ``step``'s tokens, append them, stop-check and build the outputs."""
-        sampled = step.output.result()
-        token_ids = {rid: s.token_id for rid, s in sampled.items()}
+        token_ids = step.output.token_ids()  # no per-row objects unless logprobs were asked
         now = time.monotonic()
         outputs = []
+        token_output = self._token_output
         for request in self.scheduler.resolve(step.samplers, token_ids):
-            tok = sampled[request.request_id]
+            token_id = token_ids[request.request_id]
             logprobs = None
             k = request.sampling_params.logprobs
             if k is not None:
+                tok = step.output.result()[request.request_id]
                 top = (tok.top_logprobs or [])[:k]
-                logprobs = [{"token_id": tok.token_id, "logprob": tok.logprob, "top_logprobs": top}]
+                logprobs = [{"token_id": token_id, "logprob": tok.logprob, "top_logprobs": top}]
                 request.output_logprobs.extend(logprobs)
-            outputs.append(self._token_output(request, tok.token_id, logprobs, now))
+            outputs.append(token_output(request, token_id, logprobs, now))
         return outputs

@@ -253,6 +253,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         running, max_model_len = self.running, self.max_model_len
+        allocate = self.kv_cache_manager.allocate_slots
         i = 0
         try:
             while i < len(running) and budget > 0:
@@ -268,7 +269,11 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
                         f"running request {request.request_id!r} has no token to compute; was "
                         "update_from_output skipped or finish_request not called?"
                     )
-                if not self._allocate_or_preempt(request, num_new, preempted):
+                # allocate_slots first: it succeeds for nearly every request (changing nothing
+                # when it fails), and _allocate_or_preempt starts by calling it again.
+                if not allocate(request, num_new) and not self._allocate_or_preempt(
+                    request, num_new, preempted
+                ):
                     break  # it preempted itself: it was the last running request
                 scheduled.append(ScheduledRequest(request, computed, num_new))
                 budget -= num_new

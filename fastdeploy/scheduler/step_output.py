@@ -68,7 +68,8 @@ class StepOutputMixin:
         samplers = []
         for s in output.scheduled:
             request = s.request
-            if s.samples:  # read before the counters move
+            # ScheduledRequest.samples, inlined (a hot loop), read before the counters move.
+            if s.num_computed_tokens + s.num_new_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
                 samplers.append(request)
             request.num_computed_tokens += s.num_new_tokens

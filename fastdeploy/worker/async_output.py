@@ -55,6 +55,7 @@ class PendingOutput:
         self._num_top = num_top
         self._event = event
         self._result: dict[str, SampledToken] | None = None
+        self._token_ids: dict[str, int] | None = None
 
     @classmethod
     def ready(cls, tokens: dict[str, SampledToken]) -> PendingOutput:
@@ -66,7 +67,7 @@ class PendingOutput:
     @property
     def done(self) -> bool:
         """The host has read the tokens (its buffer may be reused)."""
-        return self._result is not None
+        return self._host is None
 
     def result(self) -> dict[str, SampledToken]:
         """Wait for the step's event (the step's one host wait), then request id -> token.
@@ -74,11 +75,31 @@ class PendingOutput:
         Idempotent: later calls return the same dict without waiting.
         """
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._result = self._read()
-            self._host = None
+            if self._token_ids is not None:  # read by token_ids(): no log-probabilities
+                self._result = {rid: SampledToken(t) for rid, t in self._token_ids.items()}
+            else:
+                self._wait()
+                self._result = self._read()
+                self._host = None
         return self._result
+
+    def token_ids(self) -> dict[str, int]:
+        """Request id -> sampled token id: :meth:`result`'s tokens without their
+        log-probabilities. Without log-probabilities it is read straight from the host buffer,
+        with no :class:`SampledToken` per row (the step loop's common case: 3 us instead of 13
+        us for 64 rows on one CPU core). Idempotent, like :meth:`result`."""
+        if self._token_ids is None:
+            if self._result is None and self._num_top is None:
+                self._wait()
+                self._token_ids = dict(zip(self.request_ids, self._host.tolist()))
+                self._host = None
+            else:
+                self._token_ids = {rid: tok.token_id for rid, tok in self.result().items()}
+        return self._token_ids
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
 
     def _read(self) -> dict[str, SampledToken]:
         rids = self.request_ids

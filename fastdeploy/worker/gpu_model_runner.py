@@ -206,10 +206,11 @@ class GPUModelRunner:
         logits = self.model.compute_logits(rows, upcast=False)
         if not self.is_driver:
             return PendingOutput.ready({})
-        reqs = [s.request for s in sched.scheduled if s.samples]
+        scheduled = sched.scheduled  # the requests that sample, as prepare() found them
+        reqs = [scheduled[i].request for i in inputs.sampling]
         out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]))
         self.sampling.record(reqs, out.token_ids)
-        rows = {rid: i for i, rid in enumerate(inputs.sampling_reqs)}
+        rows = dict(zip(inputs.sampling_reqs, range(num_sampling)))
         self.last_sampled = LastSampled(out.token_ids, rows)
         return self.outputs.stage(out, inputs.sampling_reqs)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -43,6 +43,8 @@ class StepInputs:
         batch: the attention batch (its tensors are views of the persistent buffers).
         logits_indices: int64 ``[num_sampling]``, rows whose hidden states are turned into logits.
         sampling_reqs: request ids aligned with ``logits_indices``.
+        sampling: the indices in the step's ``scheduled`` of those requests (the ones whose
+            ``ScheduledRequest.samples`` is true when the step was prepared).
         num_tokens / padded: real and padded token counts.
         num_fed: token rows whose id came from the previous step's sampled tokens on the device
             (overlap schedule), not from the host.
@@ -56,6 +58,7 @@ class StepInputs:
     num_tokens: int
     padded: int
     num_fed: int = 0
+    sampling: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -238,6 +241,7 @@ class InputBuffers:
             num_tokens=num_tokens,
             padded=padded,
             num_fed=num_fed,
+            sampling=step.sampling,
         )
 
     @property

@@ -56,8 +56,8 @@ class _Rows:
         rows: the slot of each row; their device copy is ``SamplingBuffers._rows[:len(rows)]``.
         temperature / top_p / top_k: the slots' parameters gathered in row order, ``[N]``.
         generators: the slots' seeded generators (None: the engine's).
-        all_greedy / max_num_logprobs / any_bias / any_penalties: facts of the rows' sampling
-            parameters, which a request keeps for its life.
+        all_greedy / max_num_logprobs / any_bias / any_penalties / any_min_tokens: facts of the
+            rows' sampling parameters, which a request keeps for its life.
     """
 
     rows: list[int]
@@ -69,6 +69,7 @@ class _Rows:
     max_num_logprobs: int | None
     any_bias: bool
     any_penalties: bool
+    any_min_tokens: bool = True
 
 
 class SamplingBuffers:
@@ -163,15 +164,19 @@ class SamplingBuffers:
                 slot = self._take_slot(r)
                 new.append((r, slot))
             rows.append(slot)
-        # Tokens still in flight (overlap schedule) count: this row samples after them.
-        active = [
-            len(r.output_token_ids) + r.num_output_placeholders < r.sampling_params.min_tokens
-            for r in reqs
-        ]
+        state = self._last_rows
+        same_rows = not new and state is not None and state.rows == rows
+        if same_rows and not state.any_min_tokens:
+            active = self._last_active  # all False, as no row has min_tokens (the common case)
+        else:
+            # Tokens still in flight (overlap schedule) count: this row samples after them.
+            active = [
+                len(r.output_token_ids) + r.num_output_placeholders < r.sampling_params.min_tokens
+                for r in reqs
+            ]
         if new:
             self._write_slots(new, vocab_size)
-        state = self._last_rows
-        if new or state is None or state.rows != rows:
+        if not same_rows:
             state = self._last_rows = self._gather_rows(reqs, rows, active)
         elif active != self._last_active:
             self._upload(None, active)
@@ -213,6 +218,7 @@ class SamplingBuffers:
             max_num_logprobs=max(logprobs) if logprobs else None,
             any_bias=any(p.logit_bias for p in params),
             any_penalties=any(p.has_penalties for p in params),
+            any_min_tokens=any(p.min_tokens for p in params),
         )
 
     def _upload(self, rows: list[int] | None, active: list[bool]) -> None:

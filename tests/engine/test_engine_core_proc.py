@@ -245,6 +245,24 @@ def test_engine_output_pickles_every_field():
     assert dataclasses.asdict(back) == values
 
 
+def test_a_step_message_unpickles_as_the_same_plain_list_of_outputs():
+    """The emitter's compact form of a step's outputs (EngineOutputList: rows of fields) gives
+    back a plain list of equal outputs, every field kept, in order."""
+    import pickle
+
+    from fastdeploy.core.outputs import EngineOutputList
+
+    outputs = [
+        EngineOutput("a", [1], None, False, None, 5, 0, new_text=" x"),
+        EngineOutput("b", [2, 3], [{"token_id": 2}], True, "stop", 7, 3, "ab", "x", {"k": 1}, None),
+        EngineOutput("c", [], None, True, "abort", error=ValueError("gone")),
+    ]
+    back = pickle.loads(pickle.dumps(("step", EngineOutputList(outputs), {}, 0.0)))
+    assert type(back[1]) is list and len(back[1]) == 3
+    assert back[1][:2] == outputs[:2]
+    assert isinstance(back[1][2].error, ValueError) and back[1][2].finish_reason == "abort"
+
+
 def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monkeypatch):
     """End-of-file on the command pipe: once ready the loop gets StopLoop (it then releases the
     engine); while the engine still starts, the process exits at once."""

@@ -39,6 +39,28 @@ def test_tokens_and_packed_logprobs_come_back_as_sampled_tokens():
         stager.stage(SamplerOutput(token_ids=torch.zeros(5, dtype=torch.int64)), list("abcde"))
 
 
+def test_token_ids_agree_with_result_with_and_without_logprobs():
+    """token_ids() is result()'s token ids, whichever is read first, and reading it frees the
+    host buffer (done) as result() does."""
+    stager = OutputStager(4, CPU)
+    plain = stager.stage(SamplerOutput(token_ids=torch.tensor([5, 9])), ["a", "b"])
+    assert not plain.done
+    assert plain.token_ids() == {"a": 5, "b": 9} and plain.done
+    assert plain.result() == {"a": SampledToken(5), "b": SampledToken(9)}
+    assert plain.token_ids() is plain.token_ids()
+    out = SamplerOutput(
+        token_ids=torch.tensor([3]),
+        logprobs=torch.tensor([-0.5]),
+        top_ids=torch.tensor([[3]]),
+        top_logprobs=torch.tensor([[-0.5]]),
+    )
+    packed = stager.stage(out, ["a"])
+    assert packed.token_ids() == {"a": 3}
+    assert packed.result() == {"a": SampledToken(3, -0.5, [(3, -0.5)])}
+    ready = PendingOutput.ready({"x": SampledToken(2, -0.1)})
+    assert ready.token_ids() == {"x": 2} and ready.result()["x"].logprob == -0.1
+
+
 def decode_step(request: Request) -> SchedulerOutput:
     return SchedulerOutput(scheduled=[ScheduledRequest(request, request.num_tokens - 1, 1)])
 
