@@ -29,7 +29,8 @@ for the previous one to finish (``griddepcontrol.wait``) before it reads ``x``, 
 chain of small kernels no longer pays a launch gap at each boundary (where the next kernel is a
 PDL launch too, as flashinfer's kernels are on sm90). Measured on an H200
 (``benchmark_peers.py``, graph decode): Llama-3-8B at batch 1 4.52 -> 4.44 ms a step,
-SmolLM2-135M 1.05 -> 0.85 ms. The layers launch so only with ``FD_SKINNY_GEMM_PDL=1``.
+SmolLM2-135M 1.05 -> 0.85 ms. The layers launch so where :func:`pdl_supported` and
+``FD_SKINNY_GEMM_PDL`` (on by default) allow it.
 """
 
 from __future__ import annotations

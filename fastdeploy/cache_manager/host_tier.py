@@ -15,7 +15,8 @@ Per step, in this order (see ``LLMEngine.step``):
    host and :meth:`HostTier.start_swap_in` pins the hits once their device blocks are allocated.
 3. :meth:`HostTier.issue_swap_ins` copies this step's swap-ins back, in one job: one event for
    ``swap_in_mode="request"`` (the requests wait in ``WAITING_FOR_SWAP_IN``), one event per layer
-   for ``"layerwise"`` (returned for attention to wait on, inside this step's forward).
+   for ``"layerwise"`` (returned for each layer to wait on before its KV store, inside this
+   step's forward).
 
 Fences (what keeps a copy from reading or writing a block someone else owns):
 

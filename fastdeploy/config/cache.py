@@ -15,9 +15,9 @@ class CacheConfig:
     """Paged KV cache. ``swap_space`` is the host (CPU) KV tier in GiB; 0 means none.
 
     ``swap_in_mode`` says how host hits come back: ``request`` (the request waits until its
-    copies land; no wait inside the forward) or ``layerwise`` (copies per layer, attention waits
-    on each layer's event). ``host_store_policy`` says which full blocks are written through to
-    the host: ``prompt`` blocks only, or ``all`` (decode blocks too).
+    copies land; no wait inside the forward) or ``layerwise`` (copies per layer, each layer
+    waits on its own event before its KV store). ``host_store_policy`` says which full blocks
+    are written through to the host: ``prompt`` blocks only, or ``all`` (decode blocks too).
     """
 
     block_size: int = 64

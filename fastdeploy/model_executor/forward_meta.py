@@ -23,8 +23,9 @@ class ForwardMeta:
         attn_metadata: backend-specific metadata, built once per step (not per layer).
         kv_caches: one tensor per layer, shape ``attn_backend.kv_cache_shape(num_blocks)``.
         layer_events: None, or one event per layer (a ``torch.cuda.Event``) marking that this
-            step's host-tier swap-in of that layer's KV landed: the layer's attention makes the
-            device stream wait on it before reading its cache (``swap_in_mode=layerwise``).
+            step's host-tier swap-in of that layer's KV landed: the layer makes the device
+            stream wait on it before writing or reading its cache (:meth:`kv_store`, or the
+            attention when it stores K/V itself; ``swap_in_mode=layerwise``).
         slot_mapping: int64 ``[>= T]``, the step's slot of each token (-1: padding), when the
             layers store K/V in their RoPE kernel (:meth:`kv_store`); None: the attention
             backend stores them.

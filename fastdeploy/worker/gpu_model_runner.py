@@ -227,7 +227,8 @@ class GPUModelRunner:
             sched: the step.
             dispatch: ``(mode, bucket)`` decided by rank 0 (:meth:`dispatch`); None decides here.
             layer_events: one event per layer (``Event.wait()`` makes the current stream wait):
-                eagerly, each layer's attention waits on its own event (``ForwardMeta``); before
+                eagerly, each layer waits on its own event before its KV store
+                (``ForwardMeta.kv_store``); before
                 a graph replay, which cannot wait inside, the stream waits on all of them. No
                 host sync either way.
 

@@ -17,8 +17,8 @@ from fastdeploy.worker.input_batch import dummy_step
 
 
 class FakeEvent:
-    """Stands in for a recorded ``torch.cuda.Event`` (CPU build): counts the waits, and which
-    layer's store the runner had already made when it waited."""
+    """Stands in for a recorded ``torch.cuda.Event`` (CPU build): counts its waits and logs
+    each one into the log the layers' K/V stores go to, so their order shows."""
 
     def __init__(self, log: list, layer: int) -> None:
         self.log, self.layer, self.waited = log, layer, 0
@@ -36,10 +36,10 @@ def llm(tmp_path_factory):
                block_size=16, max_num_seqs=2, seed=0)  # fmt: skip
 
 
-def run_prefill(runner, block_size: int, layer_events=None) -> tuple[torch.Tensor, list]:
-    """Hidden states of one 16-token prefill, and the order of the layers' waits and K/V
-    stores."""
-    log: list = []
+def run_prefill(runner, block_size: int, layer_events=None, log=None) -> tuple[torch.Tensor, list]:
+    """Hidden states of one 16-token prefill, and ``log`` (a new list by default) with each
+    layer's K/V store appended where ``ForwardMeta.kv_store`` returned."""
+    log = [] if log is None else log
     kv_store = runner.build_forward_meta
 
     def spy(inputs, events=None):
@@ -72,12 +72,12 @@ def test_layer_events_are_waited_before_the_fused_kv_store(llm):
     plain, plain_log = run_prefill(runner, block_size)
     log: list = []
     events = [FakeEvent(log, i) for i in range(layers)]
-    hidden, store_log = run_prefill(runner, block_size, events)
-    # Every layer waited once, and before its own store; every layer stored K/V with its RoPE,
-    # as the plain prefill does.
+    hidden, _ = run_prefill(runner, block_size, events, log)
+    # Every layer stored K/V with its RoPE, as the plain prefill does, and waited once on its
+    # own event before that store (nothing else waited in between).
+    assert plain_log == [("store", i, True) for i in range(layers)]
+    assert log == [step for i in range(layers) for step in (("wait", i), ("store", i, True))]
     assert [e.waited for e in events] == [1] * layers
-    assert plain_log == store_log == [("store", i, True) for i in range(layers)]
-    assert log == [("wait", i) for i in range(layers)]
     assert torch.equal(hidden, plain)
 
 
