@@ -183,10 +183,7 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those sampled by steps in flight: what the scheduler computes up
         to (equal to ``num_tokens`` without the overlap schedule)."""
-        # num_tokens inlined: the scheduler reads this for every running request each step.
-        return (
-            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
-        )
+        return self.num_tokens + self.num_output_placeholders
 
     def reaches_length_limit(self, max_model_len: int, num_pending: int = 0) -> bool:
         """The length rule (``StopChecker`` rules 5 and 6): the request ends with ``length``

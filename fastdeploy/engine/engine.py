@@ -379,7 +379,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             logprobs,
             finished,
             status.value if finished else None,
-            len(request.prompt_token_ids),  # num_prompt_tokens
+            request.num_prompt_tokens,
             request.reported_cached_tokens,
             detok.take_delta(finished) if detok is not None else "",  # new_text
             request.stop_reason if finished else None,

@@ -68,8 +68,7 @@ class StepOutputMixin:
         samplers = []
         for s in output.scheduled:
             request = s.request
-            # ScheduledRequest.samples, inlined (a hot loop), read before the counters move.
-            if s.num_computed_tokens + s.num_new_tokens == request.num_tokens_with_placeholders:
+            if s.samples:  # read before the counters move
                 request.num_output_placeholders += 1
                 samplers.append(request)
             request.num_computed_tokens += s.num_new_tokens
