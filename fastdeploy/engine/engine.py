@@ -39,6 +39,7 @@ from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from fastdeploy.engine.overlap import OverlapStepMixin
 from fastdeploy.engine.pd_steps import PDStepMixin
 
@@ -93,6 +94,9 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
 
         config.check_supported()
         check_device_available(config.device_config.device)
+        # An earlier engine's frozen heap (one dropped without shutdown) is collectable again
+        # before this one sizes its KV cache from the free memory.
+        unfreeze_heap()
         self.config = config
         self.graph_plan = graph_plan if graph_plan is not None else resolve_graph_plan(config)
         self.source = config.model_source
@@ -108,6 +112,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         except BaseException:
             self.worker.shutdown()  # a tensor-parallel worker also ends its rank processes
             raise
+        freeze_startup_heap("engine")  # later full collections skip the start-up heap
 
     def _start(self, config: FDConfig) -> None:
         """Load the model, size and allocate the KV cache, capture graphs, build the scheduler
@@ -424,6 +429,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
 
         import torch
 
+        unfreeze_heap()  # the model's reference cycles were frozen with the start-up heap
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

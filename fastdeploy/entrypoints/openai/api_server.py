@@ -236,6 +236,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.engine.gc_heap import freeze_startup_heap
     from fastdeploy.entrypoints.openai.app import GracefulServer, build_app
 
     engine = AsyncLLMEngine(core, max_concurrency=args.max_concurrency)
@@ -254,7 +255,9 @@ def run_server(args: argparse.Namespace) -> int:
         # A backstop only: GracefulServer ends the requests itself when the grace period is over.
         timeout_graceful_shutdown=int(args.timeout_graceful_shutdown) + 5,
     )
-    GracefulServer(config, engine, args.timeout_graceful_shutdown).run()
+    server = GracefulServer(config, engine, args.timeout_graceful_shutdown)
+    freeze_startup_heap("api server")  # later full collections skip the start-up heap
+    server.run()
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
     return 0
