@@ -184,8 +184,9 @@ FD_GC_FREEZE = EnvVar(
     True,
     "Once an engine has started (and once the API server has), collect garbage and freeze the "
     "objects alive (gc.freeze), so later full collections skip the start-up heap: a full "
-    "collection of it took 113 ms on a 2-core VM and stalled every stream (see "
-    "fastdeploy/engine/gc_heap.py). 0 leaves the collector as Python sets it up.",
+    "collection of it took 113 ms on a 2-core VM and stalled every stream. The cost: a "
+    "reference cycle through an object alive at start-up is freed only at the engine's "
+    "shutdown, not by gc.collect() (see fastdeploy/core/gc_heap.py). 0: no freeze.",
 )
 
 FD_FLASHINFER_USE_TENSOR_CORES = EnvVar(

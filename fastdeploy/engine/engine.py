@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
+from fastdeploy.core.gc_heap import freeze_startup_heap, unfreeze_heap
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from fastdeploy.engine.overlap import OverlapStepMixin
 from fastdeploy.engine.pd_steps import PDStepMixin
 
@@ -84,8 +84,9 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             KV pool holds fewer tokens for one request (``max_model_len_note`` then says so).
 
     Raises:
-        ValueError: a setting not supported yet, a bad plan, a device this machine lacks, or a KV
-            pool too small for any request.
+        ValueError: a setting not supported yet, a bad plan, a device this machine lacks, a KV
+            pool too small for any request, or ``FD_GC_FREEZE`` not a boolean (checked before
+            the model loads).
     """
 
     def __init__(self, config: FDConfig, graph_plan: GraphPlan | None = None) -> None:
@@ -94,9 +95,10 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
 
         config.check_supported()
         check_device_available(config.device_config.device)
-        # An earlier engine's frozen heap (one dropped without shutdown) is collectable again
-        # before this one sizes its KV cache from the free memory.
-        unfreeze_heap()
+        gc_freeze = envs.FD_GC_FREEZE()  # a bad value fails here, before the model loads
+        # An earlier engine's frozen heap (one dropped without shutdown) is collected before
+        # this one sizes its KV cache from the free memory.
+        unfreeze_heap(collect=True)
         self.config = config
         self.graph_plan = graph_plan if graph_plan is not None else resolve_graph_plan(config)
         self.source = config.model_source
@@ -109,10 +111,10 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         self.worker = make_worker(self.config, self.graph_plan)
         try:
             self._start(config)
+            freeze_startup_heap("engine", gc_freeze)  # full collections skip the start-up heap
         except BaseException:
             self.worker.shutdown()  # a tensor-parallel worker also ends its rank processes
             raise
-        freeze_startup_heap("engine")  # later full collections skip the start-up heap
 
     def _start(self, config: FDConfig) -> None:
         """Load the model, size and allocate the KV cache, capture graphs, build the scheduler

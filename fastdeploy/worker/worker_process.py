@@ -87,6 +87,7 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     import torch
 
     from fastdeploy import envs
+    from fastdeploy.core.gc_heap import freeze_startup_heap
     from fastdeploy.distributed.launcher import exit_with_parent
     from fastdeploy.distributed.parallel_state import (
         broadcast_step,
@@ -116,6 +117,8 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     while True:
         call: RankCall = broadcast_step(None, tp)
         getattr(worker, call.method)(*call.args)
+        if call.method == "graph_optimize_and_warm_up_model":  # started, as rank 0's engine
+            freeze_startup_heap(f"rank {rank}", envs.FD_GC_FREEZE())
         if call.method == "shutdown":
             break
     release_communication(tp)

@@ -108,8 +108,10 @@ def test_decode_pool_too_small_waits_then_completes_or_503(tmp_path):
             ["--splitwise-role", "prefill", "--pd-lease-s", "1", *TCP], name="prefill"
         )
         waits = cluster.start_server(small, name="decode-waits")
+        # The hog holds all 8 blocks for its last ~50 tokens only (about 1 s on a 2-core CPU,
+        # less on a faster one): the impatient node's timeout must be well under that.
         impatient = cluster.start_server(
-            [*small, "--pd-decode-wait-timeout", "1"], name="decode-impatient"
+            [*small, "--pd-decode-wait-timeout", "0.25"], name="decode-impatient"
         )
         cluster.wait_healthy(prefill, waits, impatient)
         for decode, expect in ((waits, 200), (impatient, 503)):

@@ -200,6 +200,7 @@ def run_server(args: argparse.Namespace) -> int:
 
             engine_args = EngineArgs.from_cli_args(args)
             check_device_available(engine_args.resolve_device())
+            envs.FD_GC_FREEZE()  # read after start-up; a bad value fails here instead
             if engine_args.node_rank == 0:  # other nodes serve nothing
                 check_port_free(args.host, args.port)
             if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:
@@ -235,8 +236,8 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
+    from fastdeploy.core.gc_heap import freeze_startup_heap
     from fastdeploy.engine.async_engine import AsyncLLMEngine
-    from fastdeploy.engine.gc_heap import freeze_startup_heap
     from fastdeploy.entrypoints.openai.app import GracefulServer, build_app
 
     engine = AsyncLLMEngine(core, max_concurrency=args.max_concurrency)
@@ -256,7 +257,7 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(args.timeout_graceful_shutdown) + 5,
     )
     server = GracefulServer(config, engine, args.timeout_graceful_shutdown)
-    freeze_startup_heap("api server")  # later full collections skip the start-up heap
+    freeze_startup_heap("api server", envs.FD_GC_FREEZE())  # full collections skip it
     server.run()
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
