@@ -200,7 +200,7 @@ def run_server(args: argparse.Namespace) -> int:
 
             engine_args = EngineArgs.from_cli_args(args)
             check_device_available(engine_args.resolve_device())
-            envs.FD_GC_FREEZE()  # read after start-up; a bad value fails here instead
+            envs.FD_GC_FREEZE()  # used after start-up: a bad value fails here, before the load
             if engine_args.node_rank == 0:  # other nodes serve nothing
                 check_port_free(args.host, args.port)
             if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:
