@@ -73,6 +73,10 @@ def ranks_per_node(tensor_parallel_size: int, nnodes: int) -> int:
     return tensor_parallel_size // nnodes
 
 
+#: The call after which a rank has started (its heap is then frozen: ``core.gc_heap``).
+WARMED_UP = GpuWorker.graph_optimize_and_warm_up_model.__name__
+
+
 def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     """The body of a rank process (module level, so that ``spawn`` can pickle it).
 
@@ -117,7 +121,7 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     while True:
         call: RankCall = broadcast_step(None, tp)
         getattr(worker, call.method)(*call.args)
-        if call.method == "graph_optimize_and_warm_up_model":  # started, as rank 0's engine
+        if call.method == WARMED_UP:  # started, where rank 0's engine freezes its own heap
             freeze_startup_heap(f"rank {rank}", envs.FD_GC_FREEZE())
         if call.method == "shutdown":
             break
