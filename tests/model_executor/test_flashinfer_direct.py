@@ -133,3 +133,58 @@ def test_the_pair_itself_is_swapped_where_run_passes_it():
         attend(kv)
         torch.testing.assert_close(out, expected(q, kv))
     assert wrapper.runs == 1
+
+
+def closure_module(inner_calls_per_call=1, pass_views=False):
+    """A module whose ``paged_run`` is a Python function around a compiled-like function held
+    in a closure cell named ``paged_run_func``, as flashinfer's JIT modules are built."""
+    launches, outer_calls = [], []
+
+    def make():
+        def compiled(workspace, q, k_cache, v_cache, out, mode):
+            launches.append((k_cache, v_cache))
+            out.copy_(q * k_cache.sum() + v_cache.sum() + mode)
+
+        paged_run_func = compiled
+
+        def paged_run(workspace, q, k_cache, v_cache, out, mode):
+            outer_calls.append(1)
+            if pass_views:
+                k_cache, v_cache = k_cache[:], v_cache[:]
+            for _ in range(inner_calls_per_call):
+                paged_run_func(workspace, q, k_cache, v_cache, out, mode)
+
+        return paged_run
+
+    module = FakeModule()
+    module.paged_run = make()
+    return module, launches, outer_calls
+
+
+def test_later_layers_call_the_compiled_function_under_the_python_wrapper():
+    module, launches, outer_calls = closure_module()
+    wrapper = FakeWrapper(module)
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    caches = layers()
+    for kv in caches:
+        attend(kv)
+        torch.testing.assert_close(out, expected(q, kv))
+    assert wrapper.runs == 1 and len(outer_calls) == 1  # the Python layer ran for layer 0 only
+    assert [(a is k, b is v) for (a, b), (k, v) in zip(launches, caches)] == [(1, 1)] * 4
+    cell = module.paged_run.__closure__[
+        module.paged_run.__code__.co_freevars.index("paged_run_func")
+    ]
+    assert cell.cell_contents.__name__ == "compiled"  # the cell was given back
+
+
+def test_a_wrapper_whose_inner_calls_differ_keeps_the_python_call():
+    for kwargs in ({"inner_calls_per_call": 2}, {"pass_views": True}):
+        module, launches, outer_calls = closure_module(**kwargs)
+        wrapper = FakeWrapper(module)
+        q, out = torch.randn(2, 3), torch.empty(2, 3)
+        attend = LayerAttention(wrapper, q, out)
+        for kv in layers():
+            attend(kv)
+            torch.testing.assert_close(out, expected(q, kv))
+        assert wrapper.runs == 1 and len(outer_calls) == 4, kwargs
