@@ -34,12 +34,17 @@ SERVER_PID=
 cleanup() { [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" || true; }
 trap cleanup EXIT
 
+# How fast the host's CPU is when a part starts (host-bound rows move with it; the report prints it).
+host_probe() { "$PY" "$HERE/host_speed.py" --json "$OUT/host_$1.json"; }
+
 for part in $PARTS; do
   case $part in
     peers)
+      host_probe peers
       "$PY" "$HERE/benchmark_peers.py" --systems fastdeploy-graph hf-compile \
         --models smollm2-135m llama3-8b --batch-sizes 1 16 64 --json "$OUT/peers.json" ;;
     prefill)
+      host_probe prefill
       for m in smollm2-135m llama3-8b; do
         "$PY" "$HERE/benchmark_prefill.py" --model "$m" --tokens 16 --decode-batches 1 \
           --iters 50 --json "$OUT/prefill_$m.json"
@@ -47,6 +52,7 @@ for part in $PARTS; do
     served)
       # 64 concurrent streams, 256 prompt and 128 output tokens each, against the offline rate
       # of the same workload on the same host.
+      host_probe served
       "$PY" -m fastdeploy.entrypoints.openai.api_server "${MODEL_ARGS[@]}" --port "$PORT" \
         --max-num-seqs 64 --log-level warning > "$OUT/server.log" 2>&1 &
       SERVER_PID=$!

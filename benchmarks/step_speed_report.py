@@ -17,7 +17,9 @@ Files (a missing one leaves its rows "not measured"):
   decode step at batch 1 against the unfused eager step (``FD_USE_FUSED_OPS=0``);
 * ``served.json``: ``benchmark_serving.py --json`` against the server with 64 concurrent streams
   (256 prompt tokens, 128 output tokens): output tok/s and TPOT p50;
-* ``offline.json``: ``benchmark_throughput.py --json`` on the same workload: the offline rate.
+* ``offline.json``: ``benchmark_throughput.py --json`` on the same workload: the offline rate;
+* ``host_<part>.json``: ``host_speed.py --json`` just before each part ran: the host's
+  single-thread Python speed, printed under the table (rows bound by host work move with it).
 
 The goals are those of the project's step-speed issue (#13). The script prints the table and
 how many rows met their goal; it exits 0 either way (a benchmark reports, it does not gate).
@@ -146,6 +148,25 @@ def workload_notes(directory: Path) -> list[str]:
     return notes
 
 
+#: The parts of ``run_step_speed.sh`` that record the host's speed, in run order.
+PARTS = ("peers", "prefill", "served")
+
+
+def host_notes(directory: Path) -> list[str]:
+    """One line per part with a ``host_<part>.json``: the CPU and its loop time while that part
+    ran (see ``host_speed.py``)."""
+    notes = []
+    for part in PARTS:
+        host = load(directory, f"host_{part}.json")
+        if host:
+            notes.append(
+                f"host before {part}: {host.get('cpu')} ({host.get('cpu_count')} cores), "
+                f"Python loop best {host.get('loop_ms_best', float('nan')):.0f} ms "
+                f"(host_speed.py; host-bound rows move with it)"
+            )
+    return notes
+
+
 def render(rows: list[Row], notes: list[str]) -> str:
     """The table as text, with the count of rows that met their goal."""
     width = max(len(r.name) for r in rows)
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if not args.directory.is_dir():
         raise SystemExit(f"directory={str(args.directory)!r} is invalid; allowed: a directory")
     rows = build_rows(args.directory)
-    print(render(rows, workload_notes(args.directory)))
+    print(render(rows, workload_notes(args.directory) + host_notes(args.directory)))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return rows

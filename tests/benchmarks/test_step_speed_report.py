@@ -153,5 +153,34 @@ def test_driver_served_part_on_cpu(tmp_path):
     assert served["summary"]["completed"] == 8 and served["summary"]["output_tokens"] == 8 * 128
     assert offline["output_tokens"] == 8 * 128 and offline["num_prompts"] == 8
     assert "2 measured rows" in done.stdout and "warning" not in done.stdout
+    host = json.loads((out / "host_served.json").read_text())  # the probe ran before the part
+    assert host["loop_ms_best"] > 0 and host["repeats"] == 5
+    assert "host before served:" in done.stdout
     with socket.socket() as s:  # the server is gone: its port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_host_lines_under_the_table(tmp_path, capsys):
+    report = load_benchmark_module("step_speed_report")
+    full_run(tmp_path)
+    write(tmp_path, "host_peers.json", {"loop_ms_best": 88.4, "cpu": "Xeon X", "cpu_count": 16})
+    write(tmp_path, "host_served.json", {"loop_ms_best": 131.2, "cpu": "Xeon X", "cpu_count": 16})
+    report.main([str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if line.startswith("host before")]
+    assert lines == [
+        "host before peers: Xeon X (16 cores), Python loop best 88 ms "
+        "(host_speed.py; host-bound rows move with it)",
+        "host before served: Xeon X (16 cores), Python loop best 131 ms "
+        "(host_speed.py; host-bound rows move with it)",
+    ]
+
+
+def test_host_speed_probe(tmp_path):
+    host_speed = load_benchmark_module("host_speed")
+    result = host_speed.main(["--repeats", "2", "--json", str(tmp_path / "h.json")])
+    assert 0 < result["loop_ms_best"] <= result["loop_ms_median"]
+    assert result["repeats"] == 2 and result["cpu"] and result["cpu_count"] >= 1
+    assert json.loads((tmp_path / "h.json").read_text()) == result
+    with pytest.raises(SystemExit):
+        host_speed.main(["--repeats", "0"])
