@@ -34,8 +34,9 @@ SERVER_PID=
 cleanup() { [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" || true; }
 trap cleanup EXIT
 
-# How fast the host's CPU is when a part starts (host-bound rows move with it; the report prints it).
-host_probe() { "$PY" "$HERE/host_speed.py" --json "$OUT/host_$1.json"; }
+# How fast the host's CPU is just before a part starts (host-bound rows move with it; the report
+# prints it). A failed probe does not stop the run.
+host_probe() { "$PY" "$HERE/host_speed.py" --json "$OUT/host_$1.json" || echo "host probe failed" >&2; }
 
 for part in $PARTS; do
   case $part in

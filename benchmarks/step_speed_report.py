@@ -19,7 +19,8 @@ Files (a missing one leaves its rows "not measured"):
   (256 prompt tokens, 128 output tokens): output tok/s and TPOT p50;
 * ``offline.json``: ``benchmark_throughput.py --json`` on the same workload: the offline rate;
 * ``host_<part>.json``: ``host_speed.py --json`` just before each part ran: the host's
-  single-thread Python speed, printed under the table (rows bound by host work move with it).
+  single-thread Python speed, printed under the table (rows bound by host work move with it;
+  the speed can change during a part).
 
 The goals are those of the project's step-speed issue (#13). The script prints the table and
 how many rows met their goal; it exits 0 either way (a benchmark reports, it does not gate).
@@ -153,17 +154,20 @@ PARTS = ("peers", "prefill", "served")
 
 
 def host_notes(directory: Path) -> list[str]:
-    """One line per part with a ``host_<part>.json``: the CPU and its loop time while that part
-    ran (see ``host_speed.py``)."""
+    """One line per part with a ``host_<part>.json``: the CPU and its loop time just before that
+    part ran (see ``host_speed.py``); ``n/a`` for a file without a number there."""
     notes = []
     for part in PARTS:
         host = load(directory, f"host_{part}.json")
-        if host:
-            notes.append(
-                f"host before {part}: {host.get('cpu')} ({host.get('cpu_count')} cores), "
-                f"Python loop best {host.get('loop_ms_best', float('nan')):.0f} ms "
-                f"(host_speed.py; host-bound rows move with it)"
-            )
+        if host is None:
+            continue
+        host = host if isinstance(host, dict) else {}
+        best = host.get("loop_ms_best")
+        loop = f"{best:.0f} ms" if isinstance(best, (int, float)) else "n/a"
+        notes.append(
+            f"host before {part}: {host.get('cpu', 'n/a')} ({host.get('cpu_count', 'n/a')} cores), "
+            f"Python loop best {loop} (host_speed.py; host-bound rows move with it)"
+        )
     return notes
 
 

@@ -174,6 +174,13 @@ def test_host_lines_under_the_table(tmp_path, capsys):
         "host before served: Xeon X (16 cores), Python loop best 131 ms "
         "(host_speed.py; host-bound rows move with it)",
     ]
+    # A file without a number, or not an object, prints n/a instead of failing the report.
+    write(tmp_path, "host_peers.json", {"loop_ms_best": None, "cpu": "Xeon X", "cpu_count": 16})
+    (tmp_path / "host_served.json").write_text("[1, 2]")
+    report.main([str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host")]
+    assert lines[0].startswith("host before peers: Xeon X (16 cores), Python loop best n/a")
+    assert lines[1].startswith("host before served: n/a (n/a cores), Python loop best n/a")
 
 
 def test_host_speed_probe(tmp_path):
@@ -181,6 +188,19 @@ def test_host_speed_probe(tmp_path):
     result = host_speed.main(["--repeats", "2", "--json", str(tmp_path / "h.json")])
     assert 0 < result["loop_ms_best"] <= result["loop_ms_median"]
     assert result["repeats"] == 2 and result["cpu"] and result["cpu_count"] >= 1
+    assert result["python"].count(".") == 2
     assert json.loads((tmp_path / "h.json").read_text()) == result
     with pytest.raises(SystemExit):
         host_speed.main(["--repeats", "0"])
+    with pytest.raises(SystemExit):  # an unwritable --json: a usage error, not a traceback
+        host_speed.main(["--repeats", "1", "--json", str(tmp_path / "missing" / "h.json")])
+
+
+def test_host_speed_times_the_loop_at_module_level():
+    # The quoted figures are of the loop as `python3 -c` runs it (global names), which is
+    # slower than the same loop on a function's local names: the probe must time the former.
+    host_speed = load_benchmark_module("host_speed")
+    namespace: dict = {}
+    exec(host_speed._LOOP_CODE, namespace)
+    assert namespace["s"] == sum(range(host_speed.LOOP))
+    assert "def " not in host_speed.LOOP_SOURCE

@@ -4,9 +4,12 @@ kernel call with its own cache swapped in; anything unexpected falls back to ``r
 The real wrapper is compared on the GPU (tests/gpu/test_cuda_graphs_gpu.py: piecewise replay
 against the eager forward)."""
 
+import threading
+
+import pytest
 import torch
 
-from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
+from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention, _InnerCalls
 
 
 class FakeModule:
@@ -135,13 +138,15 @@ def test_the_pair_itself_is_swapped_where_run_passes_it():
     assert wrapper.runs == 1
 
 
-def closure_module(inner_calls_per_call=1, pass_views=False):
+def closure_module(inner_calls_per_call=1, pass_views=False, keyword=False, raises=False):
     """A module whose ``paged_run`` is a Python function around a compiled-like function held
-    in a closure cell named ``paged_run_func``, as flashinfer's JIT modules are built."""
+    in a closure cell named ``paged_run_func``, as flashinfer's JIT prefill modules are built."""
     launches, outer_calls = [], []
 
     def make():
         def compiled(workspace, q, k_cache, v_cache, out, mode):
+            if raises:
+                raise RuntimeError("kernel failed")
             launches.append((k_cache, v_cache))
             out.copy_(q * k_cache.sum() + v_cache.sum() + mode)
 
@@ -152,17 +157,24 @@ def closure_module(inner_calls_per_call=1, pass_views=False):
             if pass_views:
                 k_cache, v_cache = k_cache[:], v_cache[:]
             for _ in range(inner_calls_per_call):
-                paged_run_func(workspace, q, k_cache, v_cache, out, mode)
+                if keyword:
+                    paged_run_func(workspace, q, k_cache, v_cache, out, mode=mode)
+                else:
+                    paged_run_func(workspace, q, k_cache, v_cache, out, mode)
 
-        return paged_run
+        return paged_run, compiled
 
     module = FakeModule()
-    module.paged_run = make()
-    return module, launches, outer_calls
+    module.paged_run, compiled = make()
+    return module, launches, outer_calls, compiled
+
+
+def cell_of(fn, name="paged_run_func"):
+    return fn.__closure__[fn.__code__.co_freevars.index(name)]
 
 
 def test_later_layers_call_the_compiled_function_under_the_python_wrapper():
-    module, launches, outer_calls = closure_module()
+    module, launches, outer_calls, compiled = closure_module()
     wrapper = FakeWrapper(module)
     q, out = torch.randn(2, 3), torch.empty(2, 3)
     attend = LayerAttention(wrapper, q, out)
@@ -172,15 +184,12 @@ def test_later_layers_call_the_compiled_function_under_the_python_wrapper():
         torch.testing.assert_close(out, expected(q, kv))
     assert wrapper.runs == 1 and len(outer_calls) == 1  # the Python layer ran for layer 0 only
     assert [(a is k, b is v) for (a, b), (k, v) in zip(launches, caches)] == [(1, 1)] * 4
-    cell = module.paged_run.__closure__[
-        module.paged_run.__code__.co_freevars.index("paged_run_func")
-    ]
-    assert cell.cell_contents.__name__ == "compiled"  # the cell was given back
+    assert cell_of(module.paged_run).cell_contents is compiled  # the cell was given back
 
 
 def test_a_wrapper_whose_inner_calls_differ_keeps_the_python_call():
-    for kwargs in ({"inner_calls_per_call": 2}, {"pass_views": True}):
-        module, launches, outer_calls = closure_module(**kwargs)
+    for kwargs in ({"inner_calls_per_call": 2}, {"pass_views": True}, {"keyword": True}):
+        module, launches, outer_calls, compiled = closure_module(**kwargs)
         wrapper = FakeWrapper(module)
         q, out = torch.randn(2, 3), torch.empty(2, 3)
         attend = LayerAttention(wrapper, q, out)
@@ -188,3 +197,59 @@ def test_a_wrapper_whose_inner_calls_differ_keeps_the_python_call():
             attend(kv)
             torch.testing.assert_close(out, expected(q, kv))
         assert wrapper.runs == 1 and len(outer_calls) == 4, kwargs
+        assert cell_of(module.paged_run).cell_contents is compiled
+
+
+def test_the_cell_is_given_back_when_the_call_raises():
+    module, _, _, compiled = closure_module(raises=True)
+    attend = LayerAttention(FakeWrapper(module), torch.randn(2, 3), torch.empty(2, 3))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        attend(layers(1)[0])
+    assert cell_of(module.paged_run).cell_contents is compiled
+
+
+def test_other_cells_and_empty_cells_keep_the_python_call():
+    # A cell of another name (flashinfer's CUDA-core decode module calls it run_func) and an
+    # empty cell: nothing is recorded below the module method.
+    def make(name_is_run_func: bool):
+        def compiled(*args):
+            return None
+
+        if name_is_run_func:
+            run_func = compiled
+
+            def paged_run(*args):
+                run_func(*args)
+        else:
+
+            def paged_run(*args):
+                paged_run_func(*args)  # noqa: F821 - assigned after, never bound: empty cell
+
+            paged_run_func = None  # noqa: F841
+            del paged_run_func
+
+        return paged_run
+
+    for fn in (make(True), make(False)):
+        inner = _InnerCalls(fn)
+        with inner:
+            pass
+        assert inner.target is None and inner.calls == []
+
+
+def test_overlapping_recordings_and_other_threads_record_nothing_foreign():
+    module, _, _, compiled = closure_module()
+    fn = module.paged_run
+    a = _InnerCalls(fn)
+    with a:
+        b = _InnerCalls(fn)  # a second recording while one is active does not start
+        assert b.target is None
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(fn(1, torch.ones(1), *(torch.ones(1),) * 2,
+                                                            torch.empty(1), 0)))  # fmt: skip
+        t.start()
+        t.join()
+        assert a.calls == []  # the other thread's call went straight through
+        fn(1, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1), 0)
+        assert len(a.calls) == 1
+    assert cell_of(fn).cell_contents is compiled

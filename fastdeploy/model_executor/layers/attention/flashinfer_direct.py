@@ -5,20 +5,26 @@ counts the host is the bottleneck: flashinfer 0.5.3's ``BatchPrefillWithPagedKVC
 re-derives the same 42 kernel arguments from the wrapper's plan on every call (dtype and shape
 checks, PDL support, the alibi-slope buffer, the mask mode), which took 13.3 us of host time per
 call on the H200 host at 16 tokens (SmolLM2-135M heads), against 7.2 us for the compiled
-module's ``paged_run`` alone with the same arguments. Within one step only the layer's cache
+module's ``paged_run`` method alone with the same arguments. Within one step only the layer's cache
 changes, so :class:`LayerAttention` lets ``run`` build the arguments once, for the first layer,
 records the one call it makes into the wrapper's compiled module, and for every later layer calls
 that function again with the cache tensors swapped. The outputs are the same (same kernel, same
 arguments); a GPU test compares them.
 
-flashinfer's module method is itself a Python function (its ``paged_run``: 42 parameters, a
-backend switch and a dtype assertion) around the compiled function it holds in a closure cell
-named ``paged_run_func``. Where the recorded method has exactly one such cell (a free variable
-whose name ends in ``run_func``) and the first layer's call makes exactly one positional call
+flashinfer's prefill module method is itself a Python function (its ``paged_run``: 42
+parameters, a backend switch and, on the fa2 backend, a dtype assertion) around the compiled
+function it holds in a closure cell named ``paged_run_func``. Where the recorded method has
+exactly one cell of that name and the first layer's call makes exactly one positional call
 through it, with the cache tensors among its arguments exactly once, later layers call the
-compiled function directly with those arguments; otherwise the method, as above. Measured on an
-H200 host (SmolLM2-135M heads, 16 tokens, 30 layers): 302.7 -> 270.7 us of host time for the
-step's 30 attention calls, and 459.5 -> 435.3 us when the same host ran slower.
+compiled function directly with those arguments; otherwise the method, as above (so does the
+CUDA-core decode wrapper, whose module holds its compiled function in a cell of another name:
+that path was not measured). Measured on an H200 host (SmolLM2-135M heads, 16 tokens, 30
+layers): 302.7 -> 270.7 us of host time for the step's 30 attention calls, and 459.5 -> 435.3
+us when the same host ran slower. The cell belongs to a module that flashinfer caches per
+configuration, shared by every wrapper of it: during the first layer's call it holds a
+recorder that records only the recording thread's calls and passes any other thread's through,
+a second recording never starts while one is active, and the cell gets its function back
+afterwards, also when the call raises.
 
 This reads private attributes of flashinfer's wrappers (``_cached_module``, whose method
 ``run`` calls, the positional arguments it passes, and that method's closure cell). Where they
@@ -32,40 +38,51 @@ pair is swapped in as well.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+#: Name of the closure cell of flashinfer's Python ``paged_run`` that holds the compiled function.
+COMPILED_CELL = "paged_run_func"
+
 
 class _InnerCalls:
-    """While entered, the calls a Python function ``fn`` makes through its one closure cell
-    named ``*run_func`` are recorded: ``[args]`` per positional call, None for a call with
-    keywords. ``target`` is that cell's callable (None where ``fn`` has no such cell, and then
-    nothing is recorded)."""
+    """While entered, the calls a Python function ``fn`` makes, on the entering thread, through
+    its closure cell named :data:`COMPILED_CELL` are recorded: ``[args]`` per positional call,
+    None for a call with keywords. ``target`` is that cell's callable (None where ``fn`` has no
+    such cell, the cell is empty or another recording holds it; nothing is recorded then)."""
 
     def __init__(self, fn: Any) -> None:
         self.calls: list[list[Any] | None] = []
         self.target: Callable[..., Any] | None = None
         self._cell = None
+        self._recorder = self._record  # one bound method, so that __exit__ can tell it by `is`
+        self._thread = threading.get_ident()
         code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-        if code is None or not closure:
+        if code is None or not closure or COMPILED_CELL not in code.co_freevars:
             return
-        cells = [c for n, c in zip(code.co_freevars, closure) if n.endswith("run_func")]
-        if len(cells) == 1 and callable(cells[0].cell_contents):
-            self._cell, self.target = cells[0], cells[0].cell_contents
+        cell = closure[code.co_freevars.index(COMPILED_CELL)]
+        try:
+            target = cell.cell_contents
+        except ValueError:  # an empty cell
+            return
+        if callable(target) and not isinstance(getattr(target, "__self__", None), _InnerCalls):
+            self._cell, self.target = cell, target
 
     def _record(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append(None if kwargs else list(args))
+        if threading.get_ident() == self._thread:
+            self.calls.append(None if kwargs else list(args))
         return self.target(*args, **kwargs)
 
     def __enter__(self) -> _InnerCalls:
         if self._cell is not None:
-            self._cell.cell_contents = self._record
+            self._cell.cell_contents = self._recorder
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._cell is not None:
+        if self._cell is not None and self._cell.cell_contents is self._recorder:
             self._cell.cell_contents = self.target
 
 
