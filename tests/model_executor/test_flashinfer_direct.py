@@ -50,15 +50,20 @@ def expected(q, kv):
     return q * kv[0].sum() + kv[1].sum() + 1
 
 
-def test_first_layer_runs_then_later_layers_launch_directly():
-    module = FakeModule()
-    wrapper = FakeWrapper(module)
+def attend_all(wrapper, caches) -> None:
+    """One step's attention over ``caches``, each layer's output checked."""
     q, out = torch.randn(2, 3), torch.empty(2, 3)
     attend = LayerAttention(wrapper, q, out)
-    caches = layers()
     for kv in caches:
         attend(kv)
         torch.testing.assert_close(out, expected(q, kv))
+
+
+def test_first_layer_runs_then_later_layers_launch_directly():
+    module = FakeModule()
+    wrapper = FakeWrapper(module)
+    caches = layers()
+    attend_all(wrapper, caches)
     assert wrapper.runs == 1  # only the first layer went through run()
     # every layer launched the kernel once, on its own cache tensors
     assert [(a is k, b is v) for (a, b), (k, v) in zip(module.launches, caches)] == [(1, 1)] * 4
@@ -176,12 +181,8 @@ def cell_of(fn, name="paged_run_func"):
 def test_later_layers_call_the_compiled_function_under_the_python_wrapper():
     module, launches, outer_calls, compiled = closure_module()
     wrapper = FakeWrapper(module)
-    q, out = torch.randn(2, 3), torch.empty(2, 3)
-    attend = LayerAttention(wrapper, q, out)
     caches = layers()
-    for kv in caches:
-        attend(kv)
-        torch.testing.assert_close(out, expected(q, kv))
+    attend_all(wrapper, caches)
     assert wrapper.runs == 1 and len(outer_calls) == 1  # the Python layer ran for layer 0 only
     assert [(a is k, b is v) for (a, b), (k, v) in zip(launches, caches)] == [(1, 1)] * 4
     assert cell_of(module.paged_run).cell_contents is compiled  # the cell was given back
@@ -191,11 +192,7 @@ def test_a_wrapper_whose_inner_calls_differ_keeps_the_python_call():
     for kwargs in ({"inner_calls_per_call": 2}, {"pass_views": True}, {"keyword": True}):
         module, launches, outer_calls, compiled = closure_module(**kwargs)
         wrapper = FakeWrapper(module)
-        q, out = torch.randn(2, 3), torch.empty(2, 3)
-        attend = LayerAttention(wrapper, q, out)
-        for kv in layers():
-            attend(kv)
-            torch.testing.assert_close(out, expected(q, kv))
+        attend_all(wrapper, layers())
         assert wrapper.runs == 1 and len(outer_calls) == 4, kwargs
         assert cell_of(module.paged_run).cell_contents is compiled
 
