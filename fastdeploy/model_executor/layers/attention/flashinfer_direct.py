@@ -165,18 +165,22 @@ class LayerAttention:
         if len(recorder.calls) != 1 or recorder.calls[0][1] is None:
             return
         launch, args, inner = recorder.calls[0]
-        if len(inner.calls) == 1 and inner.calls[0] is not None and _once_each(inner.calls[0], kv):
-            launch, args = inner.target, inner.calls[0]
-        k_at = [i for i, a in enumerate(args) if a is kv[0]]
-        v_at = [i for i, a in enumerate(args) if a is kv[1]]
-        if len(k_at) == 1 and len(v_at) == 1:
-            self._launch, self._args, self._slots = launch, args, (k_at[0], v_at[0])
+        slots = _cache_slots(args, kv)
+        if len(inner.calls) == 1 and inner.calls[0] is not None:
+            inner_slots = _cache_slots(inner.calls[0], kv)
+            if inner_slots is not None:  # the compiled function under the Python method
+                launch, args, slots = inner.target, inner.calls[0], inner_slots
+        if slots is not None:
+            self._launch, self._args, self._slots = launch, args, slots
             self._pair_slots = [i for i, a in enumerate(args) if a is kv]
             # Work run() does outside the recorded call (fa3's index conversion) depends on
             # the cache strides: a layer whose cache is laid out differently goes through run().
             self._strides = (kv[0].stride(), kv[1].stride())
 
 
-def _once_each(args: list[Any], kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether the k and the v cache are each among ``args`` exactly once (by identity)."""
-    return sum(a is kv[0] for a in args) == 1 and sum(a is kv[1] for a in args) == 1
+def _cache_slots(args: list[Any], kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int] | None:
+    """The positions of the k and the v cache in ``args`` where each is there exactly once (by
+    identity), else None."""
+    k_at = [i for i, a in enumerate(args) if a is kv[0]]
+    v_at = [i for i, a in enumerate(args) if a is kv[1]]
+    return (k_at[0], v_at[0]) if len(k_at) == 1 and len(v_at) == 1 else None
