@@ -200,6 +200,18 @@ FD_FLASHINFER_USE_TENSOR_CORES = EnvVar(
     "and 8 exist) stops start-up. The same switch as SGLang's SGLANG_FLASHINFER_USE_TENSOR_CORE.",
 )
 
+FD_FLASHINFER_DIRECT_PLAN = EnvVar(
+    "FD_FLASHINFER_DIRECT_PLAN",
+    "bool",
+    parse_bool,
+    True,
+    "Plan prefill and mixed steps without flashinfer's Python plan() where the wrapper is the one "
+    "this was written for (flashinfer 0.5.3, fa2 backend): the step's attributes are set and the "
+    "compiled scheduler is called directly, with the arrays moved in one packed copy "
+    "(fastdeploy/model_executor/layers/attention/flashinfer_plan.py). 0: every plan through "
+    "plan(). Read when the backend is built.",
+)
+
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
 
 

@@ -50,9 +50,12 @@ class Step:
     seq_lens: list[int]
 
 
-def build_step(cache, cached_lens, new_lens, shape, pool, pad_rows=0, slot_buf=None) -> Step:
+def build_step(
+    cache, cached_lens, new_lens, shape, pool, pad_rows=0, slot_buf=None, host_table=False
+) -> Step:
     """Write random cached prefixes into ``cache`` (torch reference) and return the step that
-    adds ``new_lens`` tokens; blocks are taken from ``pool`` (a list, consumed)."""
+    adds ``new_lens`` tokens; blocks are taken from ``pool`` (a list, consumed). ``host_table``
+    also gives the batch its host block table, as the engine does."""
     hq, hkv, d = shape
     blocks, slots, tables = [], [], torch.zeros(len(new_lens), TABLE_WIDTH, dtype=torch.int32)
     for i, (c, n) in enumerate(zip(cached_lens, new_lens)):
@@ -91,6 +94,7 @@ def build_step(cache, cached_lens, new_lens, shape, pool, pad_rows=0, slot_buf=N
         is_decode_only=all(n == 1 for n in new_lens),
         query_lens_host=list(new_lens),
         seq_lens_host=seq_lens,
+        block_tables_host=tables.numpy() if host_table else None,
     )
     return Step(batch, q, k, v, blocks, list(new_lens), seq_lens)
 
@@ -229,6 +233,34 @@ def test_prefill_with_cached_prefixes_matches_reference(shape):
     step2 = build_step(cache2, cached, new, shape, block_pool(1), pad_rows=4)
     out2 = backend.forward(step2.q, step2.k, step2.v, cache2, md, out=torch.empty_like(out))
     assert max_diff(out2[:n], reference_attention(step2, cache2, shape)) < TOL
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_direct_prefill_plan_equals_flashinfers_plan(shape, monkeypatch):
+    """Prefill steps planned without flashinfer's Python plan() (flashinfer_plan) get the
+    schedule plan() makes and the same output, bit for bit, and match the reference; the first
+    plan goes through plan(), every later one does not."""
+    torch.manual_seed(5)
+    direct = make_backend(shape)
+    monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", "0")
+    planned = make_backend(shape)
+    assert direct._prefill_planner is not None and planned._prefill_planner is None
+    cache = new_cache(direct)
+    steps = [([0], [16]), ([0, 20, 33], [37, 13, 1]), ([5, 47, 0, 16], [1, 18, 40, 3]),
+             ([300], [16]), ([0], [16])]  # fmt: skip
+    for i, (cached, new) in enumerate(steps):
+        step = build_step(cache, cached, new, shape, block_pool(10 + i), 2, host_table=True)
+        outs = []
+        for backend in (direct, planned):
+            md = backend.build_metadata(step.batch)
+            assert md.wrapper is backend.prefill_wrapper
+            outs.append(backend.forward(step.q, step.k, step.v, cache, md))
+        assert direct.prefill_wrapper._plan_info == planned.prefill_wrapper._plan_info
+        assert torch.equal(outs[0], outs[1]), f"step {i}: {max_diff(outs[0], outs[1])}"
+        n = step.batch.num_tokens
+        assert max_diff(outs[0][:n], reference_attention(step, cache, shape)) < TOL
+        assert_cache_clean(cache)
+    assert direct._prefill_planner.direct_plans == len(steps) - 1
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -3,6 +3,7 @@ they replace, for any layout (padding requests, partial last pages). The pinned,
 path runs on CUDA (tests/gpu/test_attention_gpu.py)."""
 
 import numpy as np
+import pytest
 import torch
 
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
@@ -69,3 +70,67 @@ def test_seq_lens_for_the_prefill_plan_equal_flashinfers_own():
     pages = layout.kv_indptr[1:] - layout.kv_indptr[:-1]
     derived = (pages - 1) * BLOCK + layout.kv_last_page_len
     assert got.tolist() == derived.tolist() == seq_lens
+
+
+def packed_staging() -> PlanStaging:
+    """A CPU PlanStaging whose packed device buffer is a CPU tensor, so stage_prefill runs."""
+    staging = PlanStaging(8, 64, torch.device("cpu"))
+    staging._packed_dev = torch.full((staging._sets.capacity("packed"),), -7, dtype=torch.int32)
+    return staging
+
+
+def test_stage_prefill_packs_the_plan_arrays_into_one_copy():
+    staging = packed_staging()
+    for query_lens, seq_lens in (([16], [16]), ([3, 1, 5], [23, 4, 5]), ([2, 2], [9, 24])):
+        batch = batch_of(seq_lens)
+        layout = paged_kv_layout(query_lens, seq_lens, BLOCK, WIDTH)
+        ids = host_page_ids(batch, layout)
+        arrays = staging.stage_prefill(layout, ids, seq_lens)
+        assert arrays.qo_indptr.tolist() == arrays.qo_indptr_dev.tolist()
+        assert arrays.qo_indptr.tolist() == layout.qo_indptr.tolist()
+        assert arrays.kv_indptr.tolist() == arrays.kv_indptr_dev.tolist()
+        assert arrays.kv_indptr.tolist() == layout.kv_indptr.tolist()
+        assert arrays.last_page_len.tolist() == arrays.last_page_len_dev.tolist()
+        assert arrays.last_page_len.tolist() == layout.kv_last_page_len.tolist()
+        assert arrays.page_ids_dev.tolist() == ids.tolist()
+        assert arrays.seq_lens.tolist() == seq_lens
+        # the device arrays are one buffer, back to back
+        dev = [arrays.qo_indptr_dev, arrays.kv_indptr_dev, arrays.last_page_len_dev,
+               arrays.page_ids_dev]  # fmt: skip
+        for before, after in zip(dev, dev[1:]):
+            assert after.data_ptr() == before.data_ptr() + 4 * before.numel()
+        assert dev[0].data_ptr() == staging._packed_dev.data_ptr()
+
+
+def test_stage_prefill_reuses_its_views_and_bounds_them(monkeypatch):
+    staging = packed_staging()
+    seq_lens = [23, 4]
+    layout = paged_kv_layout([3, 1], seq_lens, BLOCK, WIDTH)
+    ids = host_page_ids(batch_of(seq_lens), layout)
+    first = staging.stage_prefill(layout, ids, seq_lens)
+    assert staging.stage_prefill(layout, ids, seq_lens) is first  # one set on CPU
+    from fastdeploy.model_executor.layers.attention import flashinfer_staging
+
+    monkeypatch.setattr(flashinfer_staging, "MAX_CACHED_VIEWS", 2)
+    other = paged_kv_layout([1], [9], BLOCK, WIDTH)
+    staging.stage_prefill(other, host_page_ids(batch_of([9]), other), [9])
+    assert len(staging._view_cache) == 2
+    third = paged_kv_layout([1], [1], BLOCK, WIDTH)
+    staging.stage_prefill(third, host_page_ids(batch_of([1]), third), [1])
+    assert len(staging._view_cache) == 1  # cleared when full
+
+
+def test_stage_prefill_declines_what_it_cannot_pack():
+    staging = packed_staging()
+    batch = batch_of([3, 7])
+    layout = paged_kv_layout([1, 1], [3, 7], BLOCK, WIDTH)
+    assert staging.stage_prefill(layout, None, [3, 7]) is None  # no host page ids
+    assert (
+        PlanStaging(8, 64, torch.device("cpu")).stage_prefill(
+            layout, host_page_ids(batch, layout), [3, 7]
+        )
+        is None
+    )  # nothing pinned (CPU)
+    padded = paged_kv_layout([1, 1], [3, 7], BLOCK, WIDTH, num_padding_reqs=2)
+    with pytest.raises(ValueError, match="padding"):
+        staging.stage_prefill(padded, host_page_ids(batch, padded), [3, 7])

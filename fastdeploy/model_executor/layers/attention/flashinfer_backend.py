@@ -40,6 +40,7 @@ from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # no
     float_workspace_bytes,
     paged_kv_layout,
 )
+from fastdeploy.model_executor.layers.attention.flashinfer_plan import PrefillPlanner
 from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
     PlanStaging,
     host_page_ids,
@@ -183,6 +184,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_kv_last_page_len = torch.ones(max_num_reqs, dtype=torch.int32, device=dev)
         self._plan_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _plan
         self._staging = PlanStaging(max_num_reqs, max_num_blocks, dev)
+        # Prefill plans without flashinfer's Python plan() where that is safe (flashinfer_plan).
+        self._prefill_planner = (
+            PrefillPlanner(self.prefill_wrapper, getattr(flashinfer, "__version__", ""))
+            if envs.FD_FLASHINFER_DIRECT_PLAN()
+            else None
+        )
         # (wrapper, kv_indptr bytes, page id bytes) of the last graph decode plan; see
         # plan_graph_decode.
         self._graph_plan_key: tuple | None = None
@@ -204,17 +211,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         layout = paged_kv_layout(
             batch.query_lens_host, batch.seq_lens_host, self.block_size, batch.block_tables.shape[1]
         )
-        layout, indices = self._staging.stage(layout, batch, host_page_ids(batch, layout))
+        page_ids = host_page_ids(batch, layout)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        static = dict(causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+                      kv_data_type=self.dtype)  # fmt: skip
+        arrays = None
+        if not batch.is_decode_only and self._prefill_planner is not None:
+            arrays = self._staging.stage_prefill(layout, page_ids, batch.seq_lens_host)
+        if arrays is not None:
+            wrapper = self.prefill_wrapper
+            self._plan(
+                wrapper, arrays, batch.num_tokens, batch.max_query_len, batch.max_seq_len,
+                *shape, planner=self._prefill_planner, **static,
+            )  # fmt: skip
+            self._staging.queued()
+            return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
+        layout, indices = self._staging.stage(layout, batch, page_ids)
         if batch.is_decode_only:
             wrapper = self.decode_wrapper
             self._plan_decode(wrapper, layout, indices)
         else:
             wrapper = self.prefill_wrapper
-            shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
             self._plan(
                 wrapper, layout.qo_indptr, layout.kv_indptr, indices, layout.kv_last_page_len,
-                *shape, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-                kv_data_type=self.dtype, seq_lens=self._staging.seq_lens(batch.seq_lens_host),
+                *shape, seq_lens=self._staging.seq_lens(batch.seq_lens_host), **static,
             )  # fmt: skip
         self._staging.queued()
         return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
@@ -342,18 +362,21 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )  # fmt: skip
 
-    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
-        """``wrapper.plan(...)``, first waiting until this wrapper's previous plan has been copied
-        to the device: plan() writes its schedule into a pinned host buffer of the wrapper and
-        copies it asynchronously, so re-planning before that copy ran would corrupt it. In the
-        engine a step's sampled tokens are synchronised, so the event is complete and this costs
-        nothing; it only guards callers that plan twice without a sync."""
+    def _plan(
+        self, wrapper: Any, *args: Any, planner: PrefillPlanner | None = None, **kwargs: Any
+    ) -> None:
+        """``wrapper.plan(...)`` (``planner.plan(...)`` when given), first waiting until this
+        wrapper's previous plan has been copied to the device: plan() writes its schedule into a
+        pinned host buffer of the wrapper and copies it asynchronously, so re-planning before
+        that copy ran would corrupt it. In the engine a step's sampled tokens are synchronised,
+        so the event is complete and this costs nothing; it only guards callers that plan twice
+        without a sync."""
         done = self._plan_events.get(wrapper)
         if done is None:
             done = self._plan_events[wrapper] = torch.cuda.Event()
         else:
             done.synchronize()
-        wrapper.plan(*args, **kwargs)
+        (planner or wrapper).plan(*args, **kwargs)
         done.record()
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -13,9 +13,17 @@ The prefill plan also gets the KV length of each request (``seq_lens``) from a p
 without it flashinfer 0.5.3 derives ``kv_lens_arr_host`` itself, in pageable memory, and copies
 that. Not covered: the non-graph decode plan's ``qo_indptr`` range, which flashinfer builds itself.
 The graph decode plan has none.
+
+A prefill plan that :mod:`~fastdeploy.model_executor.layers.attention.flashinfer_plan` makes
+without flashinfer's Python ``plan`` takes its arrays from :meth:`PlanStaging.stage_prefill`:
+``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and the page ids packed back to back in one
+pinned int32 buffer and moved with one copy into a device buffer the backend keeps (flashinfer's
+``plan`` makes three copies into new device tensors, and the backend a fourth for the page ids).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +47,35 @@ def host_page_ids(batch: AttentionBatch, layout: PagedKVLayout) -> np.ndarray | 
     return table.reshape(-1)[np.asarray(layout.page_rows)].astype(np.int32, copy=False)
 
 
+@dataclass
+class PrefillArrays:
+    """One prefill plan's arrays from :meth:`PlanStaging.stage_prefill` (``R`` requests, ``P``
+    pages), int32 each.
+
+    Attributes:
+        qo_indptr / kv_indptr / last_page_len / seq_lens: pinned CPU ``[R + 1]`` / ``[R + 1]``
+            / ``[R]`` / ``[R]``: cumulative query lengths, cumulative page counts, tokens in
+            each request's last page, KV length of each request (what flashinfer's plan reads
+            on the host).
+        qo_indptr_dev / kv_indptr_dev / last_page_len_dev / page_ids_dev: device ``[R + 1]`` /
+            ``[R + 1]`` / ``[R]`` / ``[P]``, views of one buffer filled by one copy, what the
+            attention kernel reads.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    seq_lens: torch.Tensor
+    qo_indptr_dev: torch.Tensor
+    kv_indptr_dev: torch.Tensor
+    last_page_len_dev: torch.Tensor
+    page_ids_dev: torch.Tensor
+
+
+#: Most ``(set, requests, pages)`` shapes whose prefill views :class:`PlanStaging` keeps.
+MAX_CACHED_VIEWS = 512
+
+
 class PlanStaging:
     """Pinned sets for the plans of one backend.
 
@@ -58,10 +95,82 @@ class PlanStaging:
                 "page_ids": ((max_num_blocks,), torch.int32),
                 "page_rows": ((max_num_blocks,), torch.int64),
                 "seq_lens": ((max_num_reqs,), torch.int32),
+                "packed": ((self._packed_size(max_num_reqs, max_num_blocks),), torch.int32),
             },
             device,
         )
         self._current: dict[str, torch.Tensor] | None = None
+        # Filled by one copy a prefill plan; reused every plan (the copy and the kernels that
+        # read it are on one stream, so a plan's copy runs after the previous step's kernels).
+        self._packed_dev = (
+            torch.zeros(self._sets.capacity("packed"), dtype=torch.int32, device=device)
+            if self._sets.is_async
+            else None
+        )
+        self._view_cache: dict[tuple[int, int, int], tuple] = {}  # see _prefill_views
+
+    @staticmethod
+    def _packed_size(max_num_reqs: int, max_num_blocks: int) -> int:
+        """int32 elements of a packed prefill set: ``qo_indptr``, ``kv_indptr`` (``R + 1`` each),
+        ``kv_last_page_len`` (``R``), page ids (``P``)."""
+        return 3 * max_num_reqs + 2 + max_num_blocks
+
+    def stage_prefill(
+        self, layout: PagedKVLayout, page_ids: np.ndarray | None, seq_lens: list[int]
+    ) -> PrefillArrays | None:
+        """The arrays of a prefill plan (:class:`PrefillArrays`), packed into the next pinned set
+        and copied to the device with one non-blocking copy; None where nothing is pinned (CPU),
+        the batch has no host page ids, or the layout is larger than the sets (the caller then
+        uses :meth:`stage`). Call :meth:`queued` once the plan is done."""
+        self._current = None
+        if self._packed_dev is None or page_ids is None or not self._fits(layout):
+            return None
+        n = len(seq_lens)
+        pages = len(page_ids)
+        if layout.kv_last_page_len.numel() != n or layout.qo_indptr.numel() != n + 1:
+            raise ValueError(
+                f"a layout of {layout.kv_last_page_len.numel()} requests staged with "
+                f"{n} sequence lengths (padding requests have no prefill plan)"
+            )
+        staged = self._current = self._sets.next()
+        host, copy_from, copy_to, arrays = self._prefill_views(staged, n, pages)
+        a, b, c = n + 1, 2 * n + 2, 3 * n + 2
+        host[:a] = layout.qo_indptr.numpy()
+        host[a:b] = layout.kv_indptr.numpy()
+        host[b:c] = layout.kv_last_page_len.numpy()
+        host[c:] = page_ids
+        arrays.seq_lens.numpy()[:] = seq_lens
+        copy_to.copy_(copy_from, non_blocking=True)
+        return arrays
+
+    def _prefill_views(
+        self, staged: dict[str, torch.Tensor], n: int, pages: int
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, PrefillArrays]:
+        """``(host numpy view, pinned source, device destination, arrays)`` of a prefill plan of
+        ``n`` requests and ``pages`` pages in the pinned set ``staged``. Made once per set and
+        size and kept (at most :data:`MAX_CACHED_VIEWS`): at a few microseconds a tensor view,
+        the eleven views were most of this method's host time."""
+        key = (id(staged), n, pages)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= MAX_CACHED_VIEWS:
+                self._view_cache.clear()
+            used = 3 * n + 2 + pages
+            packed = staged["packed"][:used]
+            dev = self._packed_dev[:used]
+            a, b, c = n + 1, 2 * n + 2, 3 * n + 2
+            arrays = PrefillArrays(
+                qo_indptr=packed[:a],
+                kv_indptr=packed[a:b],
+                last_page_len=packed[b:c],
+                seq_lens=staged["seq_lens"][:n],
+                qo_indptr_dev=dev[:a],
+                kv_indptr_dev=dev[a:b],
+                last_page_len_dev=dev[b:c],
+                page_ids_dev=dev[c:],
+            )
+            views = self._view_cache[key] = (packed.numpy(), packed, dev, arrays)
+        return views
 
     def stage(
         self, layout: PagedKVLayout, batch: AttentionBatch, page_ids: np.ndarray | None

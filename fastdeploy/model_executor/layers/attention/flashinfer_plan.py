@@ -1,0 +1,147 @@
+"""A prefill step's flashinfer plan without flashinfer's Python ``plan``.
+
+``BatchPrefillWithPagedKVCacheWrapper.plan`` (flashinfer 0.5.3) spends most of its host time
+outside the compiled scheduler it calls: it moves the host arrays to the CPU (a no-op here), takes
+the longest query and KV length with Python's ``max`` over tensors, and makes three host-to-device
+copies into new tensors plus one into its KV-length buffer. Measured on an H200 host at 16 tokens
+(SmolLM2-135M heads): 69.5 us a plan, of which 10.7 us in the compiled ``plan``.
+
+:class:`PrefillPlanner` makes the first plan of a wrapper through ``plan`` and later ones, where
+the wrapper is the one this was written against, by doing what ``plan`` does for them: set the
+step's attributes ``run`` reads (batch size, longest lengths, the device arrays) and call the
+compiled ``plan`` with the arguments ``plan`` passes. The static arguments (heads, head size,
+page size, causality, window, dtypes, scale) are those of the first plan; a call with others goes
+through ``plan``. The device arrays come from one packed copy
+(:meth:`~fastdeploy.model_executor.layers.attention.flashinfer_staging.PlanStaging.stage_prefill`).
+Measured on an H200 host whose Python ran slowly (a loop of a million additions: about 130 ms),
+16 tokens, SmolLM2-135M heads, p50 of 300 plans: staging and plan 101.1 us (30.7 staging, 70.4
+``plan``) -> 35.8 us (21.5 staging, 14.3 plan, of which 10.1 in the compiled scheduler); the
+step's whole attention metadata 182.5 -> 105.0 us.
+
+"The one this was written against": flashinfer 0.5.3's wrapper (:data:`DIRECT_VERSIONS`) on its
+``fa2`` backend, not in CUDA-graph mode, with no JIT variant, custom mask or multi-item scoring,
+and with the private attributes read below. Anything else plans through ``plan``. The
+wrapper's KV-length buffer (``_kv_lens_buffer``) is not written: the fa2 kernels do not read it
+(only the trtllm-gen and cudnn backends do). A GPU test compares the plans and the attention
+output of both paths (``tests/gpu/test_attention_gpu.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastdeploy.model_executor.layers.attention.flashinfer_staging import PrefillArrays
+
+#: flashinfer versions whose ``BatchPrefillWithPagedKVCacheWrapper.plan`` the direct plan mirrors.
+DIRECT_VERSIONS = ("0.5.3",)
+#: Wrapper attributes the direct plan reads or sets; a wrapper lacking one plans through ``plan``.
+_ATTRIBUTES = (
+    "_backend", "_jit_module", "_cached_module", "_float_workspace_buffer",
+    "_int_workspace_buffer", "_pin_memory_int_workspace_buffer", "_custom_mask_buf",
+    "_prefix_len_ptr", "_max_total_num_rows", "_qo_indptr_buf", "_paged_kv_indptr_buf",
+    "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf", "_plan_info",
+)  # fmt: skip
+
+
+def direct_plan_supported(wrapper: Any, version: str) -> bool:
+    """Whether :class:`PrefillPlanner` may plan ``wrapper`` without ``plan`` (module docstring),
+    judged after a first ``plan`` on it; ``version`` is flashinfer's ``__version__``."""
+    return (
+        version in DIRECT_VERSIONS
+        and all(hasattr(wrapper, name) for name in _ATTRIBUTES)
+        and wrapper._backend == "fa2"
+        and wrapper._jit_module is None
+        and not wrapper.is_cuda_graph_enabled
+        and wrapper._custom_mask_buf is None
+        and wrapper._prefix_len_ptr is None
+        and wrapper._max_total_num_rows is None
+        and callable(getattr(wrapper._cached_module, "plan", None))
+    )
+
+
+class PrefillPlanner:
+    """Plans one flashinfer prefill wrapper per step (module docstring).
+
+    Args:
+        wrapper: a ``BatchPrefillWithPagedKVCacheWrapper``.
+        version: flashinfer's ``__version__``.
+    """
+
+    def __init__(self, wrapper: Any, version: str) -> None:
+        self.wrapper = wrapper
+        self.version = version
+        self._static: dict[str, Any] | None = None  # the first plan's static arguments
+        self.direct_plans = 0  # plans made without ``plan`` (for tests and diagnosis)
+
+    def plan(
+        self,
+        arrays: PrefillArrays,
+        num_tokens: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        **static: Any,
+    ) -> None:
+        """Plan the wrapper for one step.
+
+        Args:
+            arrays: the step's arrays (``R`` requests, no padding requests).
+            num_tokens: the step's query tokens (``qo_indptr[R]``).
+            max_query_len / max_seq_len: the longest query and KV length of the step, in tokens.
+            num_heads, num_kv_heads, head_dim, page_size: the attention shape.
+            **static: ``plan``'s keyword arguments (``causal``, ``sm_scale``, ``q_data_type``,
+                ``kv_data_type``); ``seq_lens`` is taken from ``arrays``.
+
+        Raises:
+            whatever flashinfer's ``plan`` or its compiled scheduler raises (a length that does
+            not fit, a CUDA error).
+        """
+        key = dict(static, shape=(num_heads, num_kv_heads, head_dim, page_size))
+        w = self.wrapper
+        if self._static is None or key != self._static:
+            self._static = None
+            # Host arrays, as the backend always gave them: from device ones ``plan`` would copy
+            # back to the host, which waits for the device.
+            w.plan(
+                arrays.qo_indptr, arrays.kv_indptr, arrays.page_ids_dev, arrays.last_page_len,
+                num_heads, num_kv_heads, head_dim, page_size, seq_lens=arrays.seq_lens, **static,
+            )  # fmt: skip
+            if direct_plan_supported(w, self.version):
+                self._static = key
+            return
+        n = arrays.seq_lens.shape[0]
+        w._batch_size = n
+        w._max_q_len = max_query_len
+        w._max_kv_len = max_seq_len
+        w._qo_indptr_buf = arrays.qo_indptr_dev
+        w._paged_kv_indptr_buf = arrays.kv_indptr_dev
+        w._paged_kv_indices_buf = arrays.page_ids_dev
+        w._paged_kv_last_page_len_buf = arrays.last_page_len_dev
+        w._seq_lens_kv = w._seq_lens_q = arrays.seq_lens
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer,
+            w._pin_memory_int_workspace_buffer, arrays.qo_indptr, arrays.kv_indptr,
+            arrays.seq_lens, num_tokens, n, num_heads, num_kv_heads, page_size,
+            False,  # CUDA-graph mode
+            head_dim, head_dim, static.get("causal", False),
+            -1,  # window_left
+            -1,  # fixed_split_size
+            False,  # disable_split_kv
+            0,  # num_colocated_ctas
+        )  # fmt: skip
+        self.direct_plans += 1
+
+
+def plan_arguments_of(wrapper: Any) -> dict[str, torch.Tensor]:
+    """The device arrays a planned prefill wrapper's ``run`` reads, by name (for tests)."""
+    return {
+        "qo_indptr": wrapper._qo_indptr_buf,
+        "kv_indptr": wrapper._paged_kv_indptr_buf,
+        "kv_indices": wrapper._paged_kv_indices_buf,
+        "kv_last_page_len": wrapper._paged_kv_last_page_len_buf,
+    }
