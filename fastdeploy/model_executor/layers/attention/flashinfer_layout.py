@@ -7,6 +7,7 @@ that file holds the backend itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -70,6 +71,13 @@ def float_workspace_bytes(
     return max(WORKSPACE_BYTES, need + WORKSPACE_MARGIN_BYTES)
 
 
+#: Batches of at most this many requests are laid out with Python lists (:func:`_small_layout`):
+#: the numpy path's twenty-odd calls cost about a microsecond each whatever the size. On a 2-core
+#: VM, numpy against lists: 20.7 against 11.0 us at one request, 22.4 against 18.7 at eight,
+#: 23.8 against 27.1 at sixteen.
+SMALL_BATCH = 8
+
+
 @dataclass
 class PagedKVLayout:
     """A batch's pages in flashinfer's CSR form, built on the host.
@@ -109,9 +117,11 @@ def paged_kv_layout(
     Raises:
         ValueError: a sequence shorter than 1 or than its query, or longer than the block table.
     """
+    n = len(seq_lens)
+    if n <= SMALL_BATCH and len(query_lens) == n:
+        return _small_layout(query_lens, seq_lens, block_size, table_width, num_padding_reqs)
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
-    n = len(s)
     pages = (s + block_size - 1) // block_size
     if len(q) != n or (n and (s.min() < 1 or q.min() < 0 or (q > s).any())):
         raise ValueError(
@@ -136,4 +146,41 @@ def paged_kv_layout(
     page_rows = req * table_width + (np.arange(req.size, dtype=np.int64) - kv_indptr[req])
     return PagedKVLayout(
         torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last), page_rows
+    )
+
+
+def _check_lengths(query_lens, seq_lens, pages, table_width: int) -> None:
+    """The checks of :func:`paged_kv_layout` on Python lists (raises its ValueErrors)."""
+    if any(s < 1 or q < 0 or q > s for q, s in zip(query_lens, seq_lens)):
+        raise ValueError(
+            f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens="
+            f"{list(query_lens)}, seq_lens={list(seq_lens)}"
+        )
+    if pages and max(pages) > table_width:
+        raise ValueError(
+            f"a sequence of {max(seq_lens)} tokens needs {max(pages)} blocks, "
+            f"more than the block table's {table_width}"
+        )
+
+
+def _small_layout(
+    query_lens, seq_lens, block_size: int, table_width: int, num_padding_reqs: int
+) -> PagedKVLayout:
+    """:func:`paged_kv_layout` with Python lists, for a few requests (:data:`SMALL_BATCH`)."""
+    pages = [(s + block_size - 1) // block_size for s in seq_lens]
+    _check_lengths(query_lens, seq_lens, pages, table_width)
+    qo_indptr, kv_indptr = [0], [0]
+    qo_indptr += accumulate(query_lens)
+    kv_indptr += accumulate(pages)
+    last = [s - (p - 1) * block_size for s, p in zip(seq_lens, pages)]
+    if num_padding_reqs:
+        qo_indptr += [qo_indptr[-1]] * num_padding_reqs
+        kv_indptr += [kv_indptr[-1]] * num_padding_reqs
+        last += [1] * num_padding_reqs
+    rows = [r * table_width + j for r, p in enumerate(pages) for j in range(p)]
+    return PagedKVLayout(
+        torch.tensor(qo_indptr, dtype=torch.int32),
+        torch.tensor(kv_indptr, dtype=torch.int32),
+        torch.tensor(last, dtype=torch.int32),
+        np.array(rows, dtype=np.int64),
     )
