@@ -148,3 +148,23 @@ def test_other_flashinfer_versions_always_plan_through_plan():
     for _ in range(3):
         plan(planner, [16], [16])
     assert len(w.plans) == 3 and planner.direct_plans == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"window_left": 32},
+        {"head_dim_vo": 128},
+        {"fixed_split_size": 4},
+        {"disable_split_kv": True},
+    ],  # fmt: skip
+    ids=["window", "head-dim-vo", "fixed-split", "no-split"],
+)
+def test_keywords_the_direct_plan_does_not_pass_keep_every_plan_on_plan(extra):
+    """The direct call passes their defaults: a plan with one of them never goes direct."""
+    w = FakeWrapper()
+    planner = PrefillPlanner(w, VERSION)
+    for _ in range(3):
+        plan(planner, [16], [16], **dict(STATIC, **extra))
+    assert len(w.plans) == 3 and planner.direct_plans == 0
+    assert all(kwargs.items() >= extra.items() for _, kwargs in w.plans)

@@ -220,11 +220,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             arrays = self._staging.stage_prefill(layout, page_ids, batch.seq_lens_host)
         if arrays is not None:
             wrapper = self.prefill_wrapper
-            self._plan(
-                wrapper, arrays, batch.num_tokens, batch.max_query_len, batch.max_seq_len,
-                *shape, planner=self._prefill_planner, **static,
-            )  # fmt: skip
-            self._staging.queued()
+            try:
+                self._plan(
+                    wrapper, arrays, batch.num_tokens, batch.max_query_len, batch.max_seq_len,
+                    *shape, planner=self._prefill_planner, **static,
+                )  # fmt: skip
+            finally:  # the packed copy is queued even when the plan fails
+                self._staging.queued()
             return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
         layout, indices = self._staging.stage(layout, batch, page_ids)
         if batch.is_decode_only:

@@ -36,6 +36,10 @@ from fastdeploy.model_executor.layers.attention.flashinfer_staging import Prefil
 
 #: flashinfer versions whose ``BatchPrefillWithPagedKVCacheWrapper.plan`` the direct plan mirrors.
 DIRECT_VERSIONS = ("0.5.3",)
+#: ``plan`` keyword arguments the direct plan takes over from the first plan; a plan with any
+#: other keyword (``window_left``, ``head_dim_vo``, ``fixed_split_size``, ...) always goes through
+#: ``plan``, since the direct call passes their defaults.
+STATIC_KEYWORDS = frozenset({"causal", "sm_scale", "q_data_type", "kv_data_type"})
 #: Wrapper attributes the direct plan reads or sets; a wrapper lacking one plans through ``plan``.
 _ATTRIBUTES = (
     "_backend", "_jit_module", "_cached_module", "_float_workspace_buffer",
@@ -94,8 +98,8 @@ class PrefillPlanner:
             num_tokens: the step's query tokens (``qo_indptr[R]``).
             max_query_len / max_seq_len: the longest query and KV length of the step, in tokens.
             num_heads, num_kv_heads, head_dim, page_size: the attention shape.
-            **static: ``plan``'s keyword arguments (``causal``, ``sm_scale``, ``q_data_type``,
-                ``kv_data_type``); ``seq_lens`` is taken from ``arrays``.
+            **static: ``plan``'s keyword arguments (:data:`STATIC_KEYWORDS` for a direct plan;
+                any other keeps every plan on ``plan``); ``seq_lens`` is taken from ``arrays``.
 
         Raises:
             whatever flashinfer's ``plan`` or its compiled scheduler raises (a length that does
@@ -111,7 +115,7 @@ class PrefillPlanner:
                 arrays.qo_indptr, arrays.kv_indptr, arrays.page_ids_dev, arrays.last_page_len,
                 num_heads, num_kv_heads, head_dim, page_size, seq_lens=arrays.seq_lens, **static,
             )  # fmt: skip
-            if direct_plan_supported(w, self.version):
+            if static.keys() <= STATIC_KEYWORDS and direct_plan_supported(w, self.version):
                 self._static = key
             return
         n = arrays.seq_lens.shape[0]
