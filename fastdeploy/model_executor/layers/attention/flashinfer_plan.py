@@ -10,8 +10,9 @@ copies into new tensors plus one into its KV-length buffer. Measured on an H200 
 the wrapper is the one this was written against, by doing what ``plan`` does for them: set the
 step's attributes ``run`` reads (batch size, longest lengths, the device arrays) and call the
 compiled ``plan`` with the arguments ``plan`` passes. The static arguments (heads, head size,
-page size, causality, window, dtypes, scale) are those of the first plan; a call with others goes
-through ``plan``. The device arrays come from one packed copy
+page size, and :data:`STATIC_KEYWORDS`: causality, scale, dtypes) are those of the first plan; a
+call with others, or with any other keyword, goes through ``plan``. The device arrays come
+from one packed copy
 (:meth:`~fastdeploy.model_executor.layers.attention.flashinfer_staging.PlanStaging.stage_prefill`).
 Measured on an H200 host whose Python ran slowly (a loop of a million additions: about 130 ms),
 16 tokens, SmolLM2-135M heads, p50 of 300 plans: staging and plan 101.1 us (30.7 staging, 70.4
@@ -29,8 +30,6 @@ output of both paths (``tests/gpu/test_attention_gpu.py``).
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from fastdeploy.model_executor.layers.attention.flashinfer_staging import PrefillArrays
 
@@ -139,13 +138,3 @@ class PrefillPlanner:
             0,  # num_colocated_ctas
         )  # fmt: skip
         self.direct_plans += 1
-
-
-def plan_arguments_of(wrapper: Any) -> dict[str, torch.Tensor]:
-    """The device arrays a planned prefill wrapper's ``run`` reads, by name (for tests)."""
-    return {
-        "qo_indptr": wrapper._qo_indptr_buf,
-        "kv_indptr": wrapper._paged_kv_indptr_buf,
-        "kv_indices": wrapper._paged_kv_indices_buf,
-        "kv_last_page_len": wrapper._paged_kv_last_page_len_buf,
-    }
