@@ -124,15 +124,9 @@ def paged_kv_layout(
     s = np.asarray(seq_lens, dtype=np.int64)
     pages = (s + block_size - 1) // block_size
     if len(q) != n or (n and (s.min() < 1 or q.min() < 0 or (q > s).any())):
-        raise ValueError(
-            f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens="
-            f"{q.tolist()}, seq_lens={s.tolist()}"
-        )
+        raise _bad_lengths(q.tolist(), s.tolist())
     if n and pages.max() > table_width:
-        raise ValueError(
-            f"a sequence of {int(s.max())} tokens needs {int(pages.max())} blocks, "
-            f"more than the block table's {table_width}"
-        )
+        raise _too_many_blocks(int(s.max()), int(pages.max()), table_width)
     total = n + num_padding_reqs
     qo_indptr = np.zeros(total + 1, dtype=np.int32)
     qo_indptr[1 : n + 1] = np.cumsum(q)
@@ -149,18 +143,26 @@ def paged_kv_layout(
     )
 
 
+def _bad_lengths(query_lens: list[int], seq_lens: list[int]) -> ValueError:
+    return ValueError(
+        f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens={query_lens}, "
+        f"seq_lens={seq_lens}"
+    )
+
+
+def _too_many_blocks(seq_len: int, blocks: int, table_width: int) -> ValueError:
+    return ValueError(
+        f"a sequence of {seq_len} tokens needs {blocks} blocks, more than the block table's "
+        f"{table_width}"
+    )
+
+
 def _check_lengths(query_lens, seq_lens, pages, table_width: int) -> None:
     """The checks of :func:`paged_kv_layout` on Python lists (raises its ValueErrors)."""
     if any(s < 1 or q < 0 or q > s for q, s in zip(query_lens, seq_lens)):
-        raise ValueError(
-            f"need 1 <= seq_len and 0 <= query_len <= seq_len; got query_lens="
-            f"{list(query_lens)}, seq_lens={list(seq_lens)}"
-        )
+        raise _bad_lengths(list(query_lens), list(seq_lens))
     if pages and max(pages) > table_width:
-        raise ValueError(
-            f"a sequence of {max(seq_lens)} tokens needs {max(pages)} blocks, "
-            f"more than the block table's {table_width}"
-        )
+        raise _too_many_blocks(max(seq_lens), max(pages), table_width)
 
 
 def _small_layout(
