@@ -143,7 +143,11 @@ if triton is not None:
         PASS: tl.constexpr,  # HEAD_DIM - 2 * HALF, features that do not rotate
         PASS_P2: tl.constexpr,
         ROW_P2: tl.constexpr,  # next power of two of NUM_KV_HEADS * HEAD_DIM
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm90+)
     ):
+        if PDL:  # as custom_ops.skinny_gemm: the next kernel may launch; wait for the last one
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + token)
         j = tl.arange(0, HALF_P2)
@@ -201,6 +205,8 @@ def rope_and_write_kv_triton(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` in place and store ``k``/``v`` at their slots: one Triton launch,
     capturable in a CUDA graph (the grid depends only on ``q.shape[0]``).
@@ -218,6 +224,9 @@ def rope_and_write_kv_triton(
             ``[num_kv_heads, head_dim]`` rows contiguous; written in place.
         slot_mapping: int64 ``[>= T]``, ``block * block_size + offset`` of each token, negative
             for a padding row (its q/k are still rotated; nothing is stored).
+        pdl: launch as a programmatic dependent launch (only where
+            :func:`custom_ops.skinny_gemm.pdl_supported`), so that the kernels around it in a
+            decode step's chain of PDL launches do not pay a launch gap at its boundaries.
 
     Returns:
         ``(q, k)``, the same tensors, rotated.
@@ -278,7 +287,9 @@ def rope_and_write_kv_triton(
         PASS=rest,
         PASS_P2=p2(max(rest, 1)),
         ROW_P2=p2(num_kv_heads * head_dim),
+        PDL=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),  # Tritons before 3.4 reject the option
     )
     return q, k
 

@@ -149,6 +149,70 @@ def test_rope_and_kv_write_fused(heads, kv_heads, head_dim, rotary_fraction, tok
     assert int((cache == 7.0).all(-1).all(-1).sum()) >= num_blocks * 2 * block_size - 2 * tokens
 
 
+@pytest.mark.parametrize("tokens", [1, 16])
+@torch.inference_mode()
+def test_rope_kv_pdl_chain_in_a_graph_equals_plain_launches(tokens: int):
+    """The decode chain around the RoPE + KV-write kernel, replayed from a CUDA graph: QKV
+    projection (skinny GEMM) -> RoPE + KV write -> a projection of the rotated q, each reading
+    the previous kernel's output. With programmatic dependent launches (sm90+) every kernel is
+    launched before its predecessor finished; q, the cache and the last output must be
+    bit-identical to plain launches, and to the unfused path."""
+    from custom_ops import skinny_gemm
+    from custom_ops.rope_kv_ops import rope_and_write_kv_triton
+
+    if not skinny_gemm.pdl_supported(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm90+ and Triton 3.4+")
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, hidden = 32, 8, 128, 4096
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 5e5}, BF16)
+    rope = rope.cuda()
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    w_qkv = torch.randn(q_size + 2 * kv_size, hidden, device="cuda", dtype=BF16) / hidden**0.5
+    w_o = torch.randn(hidden, q_size, device="cuda", dtype=BF16) / q_size**0.5
+    positions = torch.arange(100, 100 + tokens, device="cuda")
+    slots = torch.arange(40, 40 + tokens, device="cuda")
+    results = {}
+    for pdl in (False, True):
+        qkv = torch.empty(tokens, q_size + 2 * kv_size, device="cuda", dtype=BF16)
+        out = torch.empty(tokens, hidden, device="cuda", dtype=BF16)
+        cache = torch.zeros(8, 2, 16, kv_heads, head_dim, device="cuda", dtype=BF16)
+
+        def chain(pdl=pdl, qkv=qkv, out=out, cache=cache):
+            skinny_gemm.skinny_linear_launch(x, w_qkv, qkv, pdl=pdl)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            rope_and_write_kv_triton(
+                positions, q, k, v, head_dim, rope.cos_sin_cache, cache, slots, pdl=pdl
+            )
+            skinny_gemm.skinny_linear_launch(q, w_o, out, pdl=pdl)
+
+        chain()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for _ in range(20):
+            cache.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+        results[pdl] = (qkv.clone(), cache.clone(), out.clone())
+    for plain, chained in zip(results[False], results[True]):
+        assert torch.equal(plain, chained)
+    # And the same values as the unfused kernels, launched plainly, from the same projection.
+    want = torch.nn.functional.linear(x, w_qkv)
+    wq, wk, wv = want.split([q_size, kv_size, kv_size], dim=-1)
+    rope(positions, wq, wk)
+    qkv, cache, _ = results[True]
+    torch.testing.assert_close(qkv, want, rtol=2**-6, atol=2**-6)
+    blocks, offsets = slots // 16, slots % 16
+    torch.testing.assert_close(
+        cache[blocks, 0, offsets], wk.view(tokens, kv_heads, head_dim), rtol=2**-6, atol=2**-6
+    )
+    v_rows = qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, head_dim)
+    assert torch.equal(cache[blocks, 1, offsets], v_rows)
+    cache[blocks, :, offsets] = 0
+    assert not cache.any()  # nothing written outside the step's slots
+
+
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (513, 14336)])
 def test_silu_and_mul(tokens: int, inter: int):
     torch.manual_seed(0)

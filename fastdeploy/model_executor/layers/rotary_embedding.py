@@ -204,10 +204,12 @@ class RotaryEmbedding(_RotateThenStore):
             and v.stride(-1) == 1
         ):
             from custom_ops.rope_kv_ops import rope_and_write_kv_triton
+            from fastdeploy.model_executor.layers.linear import skinny_pdl
 
             return rope_and_write_kv_triton(
-                positions, q, k, v, self.head_dim, self.cos_sin_cache, kv_cache, slot_mapping
-            )
+                positions, q, k, v, self.head_dim, self.cos_sin_cache, kv_cache, slot_mapping,
+                pdl=skinny_pdl(q.device),
+            )  # fmt: skip
         return super().forward_and_store(positions, q, k, v, kv_cache, slot_mapping)
 
     def forward_native(
