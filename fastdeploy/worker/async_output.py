@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.core.host_staging import record_event
 from fastdeploy.core.sampling_params import MAX_LOGPROBS
 from fastdeploy.model_executor.layers.sampler import SamplerOutput
 
@@ -167,7 +168,7 @@ class OutputStager:
             host = self._packed[self._index][: rows.numel()].view(rows.shape)
         host.copy_(rows, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        record_event(event)
         pending = PendingOutput(request_ids, host, num_top, event)
         self._owners[self._index] = pending
         return pending

@@ -31,6 +31,7 @@ import torch
 
 from custom_ops.kv_cache_ops import write_kv_cache
 from fastdeploy import envs
+from fastdeploy.core.host_staging import record_event
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
@@ -379,7 +380,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             done.synchronize()
         (planner or wrapper).plan(*args, **kwargs)
-        done.record()
+        record_event(done)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Keep ``(k_cache, v_cache)`` views of each layer's cache, made once: flashinfer
