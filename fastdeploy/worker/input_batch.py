@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import ClassVar
 
 import numpy as np
@@ -75,6 +76,10 @@ class LastSampled:
     rows: dict[str, int]
 
 
+#: Step shapes whose device views :meth:`InputBuffers._slices` keeps before it starts over.
+MAX_CACHED_SLICES = 256
+
+
 class InputBuffers:
     """Owner of the runner's persistent input tensors and of the pinned host buffers they are
     filled through (:class:`~fastdeploy.core.host_staging.StagingSets`: every copy is
@@ -108,8 +113,11 @@ class InputBuffers:
                                   max_blocks_per_seq * block_size)  # fmt: skip
         self.device = device
         r, t = max_num_reqs, max_num_tokens
+        w = max_blocks_per_seq
         # One allocation, one to three copies a step (PackedBuffers): the per-request buffers
-        # first (they merge into one copy), then the per-token ones.
+        # and the block table first (its used rows merge with them into one copy), then the
+        # per-token ones. A block table of many rows (max_num_seqs x max_blocks_per_seq can be
+        # megabytes) leaves a gap past its used rows that PackedBuffers does not copy.
         self._packed = PackedBuffers(
             {
                 "query_start_loc": (r + 1, torch.int32),
@@ -117,6 +125,7 @@ class InputBuffers:
                 "logits_indices": (r, torch.int64),
                 "fed_rows": (r, torch.int64),
                 "fed_from": (r, torch.int64),
+                "block_tables": (r * w, torch.int32),
                 "input_ids": (t, torch.int64),
                 "positions": (t, torch.int64),
                 "slot_mapping": (t, torch.int64),
@@ -125,16 +134,10 @@ class InputBuffers:
         )
         for name, view in self._packed.device_views.items():
             setattr(self, name, view)
-        # The block table is copied apart, up to the step's last request: its full size
-        # (max_num_seqs x max_blocks_per_seq) can be megabytes.
-        self._tables = StagingSets(
-            {"block_tables": ((max_num_reqs, max_blocks_per_seq), torch.int32)}, device
-        )
-        self.block_tables = torch.zeros(
-            (max_num_reqs, max_blocks_per_seq), dtype=torch.int32, device=device
-        )
-        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        # Per host block-table set: the corner outside which it is all zeros
+        self.block_tables = self.block_tables.view(r, w)
+        self._views: dict[int, dict[str, np.ndarray]] = {}
+        self._slice_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        # Per host set: the corner of its block table outside which it is all zeros
         # (fill_block_tables).
         self._table_dirty: dict[int, tuple[int, int]] = {}
 
@@ -144,8 +147,9 @@ class InputBuffers:
         padded: int | None = None,
         last_sampled: LastSampled | None = None,
     ) -> StepInputs:
-        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then a few
-        non-blocking copies: the packed 1-D buffers' used parts and the block table's rows).
+        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then one
+        to three non-blocking copies of the packed buffers' used parts, the block table's rows
+        among them).
 
         The requests are read in one Python pass
         (:func:`~fastdeploy.worker.step_gather.gather_step`) into flat lists that a few
@@ -167,8 +171,9 @@ class InputBuffers:
         """
         reqs = sched.scheduled
         num_reqs = len(reqs)
-        query_lens = np.array([s.num_new_tokens for s in reqs], dtype=np.int64)
-        num_tokens = int(query_lens.sum())
+        query_lens_host = [s.num_new_tokens for s in reqs]
+        cu_host = [0, *accumulate(query_lens_host)]  # lists: cheaper than numpy at a few rows
+        num_tokens = cu_host[-1]
         padded = num_tokens if padded is None else padded
         if padded > self.max_num_tokens or num_reqs > self.max_num_reqs:
             raise ValueError(
@@ -177,11 +182,10 @@ class InputBuffers:
             )
         step = gather_step(reqs, last_sampled.rows if last_sampled is not None else None)
         self._check_block_tables(reqs, step.num_blocks)
-        host = self._host_views(self._packed.next(), self._tables.next())
+        host = self._host_views(self._packed.next())
         seq_lens = np.array(step.seq_lens, dtype=np.int64)
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        query_lens_host = query_lens.tolist()
+        query_lens = np.array(query_lens_host, dtype=np.int64)
+        cu = np.array(cu_host, dtype=np.int64)
         max_query_len = max(query_lens_host, default=0)
         decode_only = num_tokens == num_reqs and max_query_len == 1
         req_of_token, positions = token_positions(seq_lens, query_lens, cu, decode_only)
@@ -194,7 +198,7 @@ class InputBuffers:
         host["fed_from"][:num_fed] = step.fed_from
 
         tables = host["block_tables"]
-        key = id(self._tables.current())  # the block-table set itself, not a view of it
+        key = id(tables)  # one array per host set (_host_views)
         self._table_dirty[key] = fill_block_tables(
             tables, step.block_ids, step.num_blocks, self._table_dirty.get(key, tables.shape)
         )
@@ -218,13 +222,15 @@ class InputBuffers:
         if num_fed:
             fed = last_sampled.token_ids.index_select(0, self.fed_from[:num_fed])
             self.input_ids.index_copy_(0, self.fed_rows[:num_fed], fed)
+        views = self._slices(num_reqs, padded, num_sampling)
+        starts, lens, table, slot_mapping, input_ids, dev_positions, logits_indices = views
         batch = AttentionBatch(
             num_reqs=num_reqs,
             num_tokens=num_tokens,
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_tables=self.block_tables[:num_reqs],
-            slot_mapping=self.slot_mapping[:padded],
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=table,
+            slot_mapping=slot_mapping,
             max_query_len=max_query_len,
             max_seq_len=max(step.seq_lens, default=0),
             is_decode_only=decode_only,
@@ -233,10 +239,10 @@ class InputBuffers:
             block_tables_host=tables[:num_reqs],
         )
         return StepInputs(
-            input_ids=self.input_ids[:padded],
-            positions=self.positions[:padded],
+            input_ids=input_ids,
+            positions=dev_positions,
             batch=batch,
-            logits_indices=self.logits_indices[:num_sampling],
+            logits_indices=logits_indices,
             sampling_reqs=step.sampling_reqs,
             num_tokens=num_tokens,
             padded=padded,
@@ -244,21 +250,40 @@ class InputBuffers:
             sampling=step.sampling,
         )
 
+    def _slices(self, num_reqs: int, padded: int, num_sampling: int) -> tuple[torch.Tensor, ...]:
+        """The step's views of the device buffers (query start locations, sequence lengths,
+        block table, slot mapping, input ids, positions, logits indices), made once per
+        ``(num_reqs, padded, num_sampling)``: a step's shape repeats (a decode batch, a capture
+        bucket), and slicing seven tensors costs about a microsecond each. The views share the
+        buffers' memory, so a reused one reads the new step's values."""
+        key = (num_reqs, padded, num_sampling)
+        views = self._slice_cache.get(key)
+        if views is None:
+            if len(self._slice_cache) >= MAX_CACHED_SLICES:
+                self._slice_cache.clear()
+            views = self._slice_cache[key] = (
+                self.query_start_loc[: num_reqs + 1],
+                self.seq_lens[:num_reqs],
+                self.block_tables[:num_reqs],
+                self.slot_mapping[:padded],
+                self.input_ids[:padded],
+                self.positions[:padded],
+                self.logits_indices[:num_sampling],
+            )
+        return views
+
     @property
     def staging_sets(self) -> list[StagingSets]:
-        """The pinned host sets the buffers are filled through (the packed 1-D buffers' and the
-        block table's)."""
-        return [self._packed.staging, self._tables]
+        """The pinned host sets the buffers are filled through."""
+        return [self._packed.staging]
 
-    def _host_views(
-        self, packed: dict[str, torch.Tensor], tables: dict[str, torch.Tensor]
-    ) -> dict[str, np.ndarray]:
-        """Numpy views of a pair of host sets, made once per pair (they share its memory)."""
-        key = (id(packed), id(tables))
-        views = self._views.get(key)
+    def _host_views(self, packed: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Numpy views of one host set (the block table as ``[max_num_reqs,
+        max_blocks_per_seq]``), made once per set (they share its memory)."""
+        views = self._views.get(id(packed))
         if views is None:
-            both = {**packed, **tables}
-            views = self._views[key] = {name: t.numpy() for name, t in both.items()}
+            views = self._views[id(packed)] = {name: t.numpy() for name, t in packed.items()}
+            views["block_tables"] = views["block_tables"].reshape(self.block_tables.shape)
         return views
 
     def _check_block_tables(self, reqs: list[ScheduledRequest], num_blocks: list[int]) -> None:
@@ -271,9 +296,9 @@ class InputBuffers:
             )
 
     def _upload(self, padded: int, num_reqs: int, num_sampling: int, num_fed: int) -> None:
-        """Queue this step's copies (no host wait): the packed buffers' used parts (one copy
-        when ``max_num_tokens`` is small, see :class:`PackedBuffers`), and the block table's
-        first ``num_reqs`` rows."""
+        """Queue this step's copies (no host wait): the used parts of the packed buffers, the
+        block table's first ``num_reqs`` rows among them (one copy when the buffers are small,
+        see :class:`PackedBuffers`)."""
         self._packed.upload(
             {
                 "query_start_loc": num_reqs + 1,
@@ -281,15 +306,12 @@ class InputBuffers:
                 "logits_indices": num_sampling,
                 "fed_rows": num_fed,
                 "fed_from": num_fed,
+                "block_tables": num_reqs * self.max_blocks_per_seq,
                 "input_ids": padded,
                 "positions": padded,
                 "slot_mapping": padded,
             }
         )
-        if num_reqs:
-            host = self._tables.current()["block_tables"]
-            self.block_tables[:num_reqs].copy_(host[:num_reqs], non_blocking=True)
-        self._tables.copies_queued()
 
 
 @dataclass

@@ -114,3 +114,34 @@ def test_block_tables_equal_a_full_rewrite_over_steps_of_changing_width():
             at += n
         assert (tables == expected).all(), f"step {step}"
         assert dirty == (num_reqs, max(num_blocks, default=0))
+
+
+def test_a_small_step_is_one_copy_with_its_block_table_rows():
+    """The block table is packed with the per-request buffers: a step of small buffers uploads
+    in one copy, a table too wide to merge in two; over steps of changing width each device row
+    equals the step's block ids (zeros past them), whichever host set was filled."""
+    small = InputBuffers(
+        max_num_tokens=64, max_num_reqs=8, max_blocks_per_seq=4, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    copies = []
+    upload = small._packed.upload
+    small._packed.upload = lambda used: copies.append(upload(used)) or copies[-1]
+    for sizes, ids in (([5, 3], [[7, 8], [9]]), ([1], [[4, 5, 6]]), ([2, 2, 2], [[1], [2], [3]])):
+        sched = dummy_step(sizes, block_size=4)
+        for s, blocks in zip(sched.scheduled, ids):
+            s.request.block_ids = blocks
+        small.prepare(sched)
+        for row, blocks in enumerate(ids):
+            assert small.block_tables[row].tolist() == blocks + [0] * (4 - len(blocks))
+    assert copies == [1, 1, 1]
+    wide = InputBuffers(
+        max_num_tokens=64, max_num_reqs=64, max_blocks_per_seq=512, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    sched = dummy_step([3], block_size=4)
+    sched.scheduled[0].request.block_ids = [11]
+    used = {"block_tables": 512, "input_ids": 3, "query_start_loc": 2}
+    assert len(wide._packed.ranges(used)) == 2  # 63 unused rows of 2 KiB: not copied
+    wide.prepare(sched)
+    assert wide.block_tables[0, :2].tolist() == [11, 0]
