@@ -174,8 +174,8 @@ FD_SKINNY_GEMM_PDL = EnvVar(
     "launch too, as flashinfer's are) is launched while one runs and it waits on the previous "
     "one on the device, which hides the launch gap between a decode step's kernels (H200, graph "
     "decode at batch 1: Llama-3-8B 4.52 -> 4.44 ms, SmolLM2-135M 1.05 -> 0.85 for the GEMM; the "
-    "RoPE kernel's decode graph 4.24 -> 4.17 and 0.82 -> 0.77 ms). 0: plain launches. Read once "
-    "per process and device.",
+    "RoPE kernel's decode graph 4.24 -> 4.17 and 0.82 -> 0.77 ms; it launches so also with "
+    "FD_USE_SKINNY_GEMM=0). 0: plain launches. Read once per process and device.",
 )
 
 FD_GC_FREEZE = EnvVar(

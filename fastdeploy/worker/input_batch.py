@@ -114,10 +114,12 @@ class InputBuffers:
         self.device = device
         r, t = max_num_reqs, max_num_tokens
         w = max_blocks_per_seq
-        # One allocation, one to three copies a step (PackedBuffers): the per-request buffers
-        # and the block table first (its used rows merge with them into one copy), then the
-        # per-token ones. A block table of many rows (max_num_seqs x max_blocks_per_seq can be
-        # megabytes) leaves a gap past its used rows that PackedBuffers does not copy.
+        # One allocation, a few copies a step (PackedBuffers: one where the buffers are small):
+        # the per-request buffers and the block table first (its used rows merge with them into
+        # one copy), then the per-token ones. Where the unused rows of a wide block table
+        # (max_num_seqs x max_blocks_per_seq can be megabytes) or the unused tail of a per-token
+        # buffer exceed MERGE_GAP_BYTES, that gap is not copied and the next part is a copy of
+        # its own (up to four copies).
         self._packed = PackedBuffers(
             {
                 "query_start_loc": (r + 1, torch.int32),
@@ -147,9 +149,9 @@ class InputBuffers:
         padded: int | None = None,
         last_sampled: LastSampled | None = None,
     ) -> StepInputs:
-        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then one
-        to three non-blocking copies of the packed buffers' used parts, the block table's rows
-        among them).
+        """Copy one scheduled step into the buffers (host numpy work into a pinned set, then
+        one to four non-blocking copies of the packed buffers' used parts, the block table's
+        rows among them; one where the buffers are small).
 
         The requests are read in one Python pass
         (:func:`~fastdeploy.worker.step_gather.gather_step`) into flat lists that a few

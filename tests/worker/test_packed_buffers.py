@@ -119,7 +119,7 @@ def test_block_tables_equal_a_full_rewrite_over_steps_of_changing_width():
 def test_a_small_step_is_one_copy_with_its_block_table_rows():
     """The block table is packed with the per-request buffers: a step of small buffers uploads
     in one copy, a table too wide to merge in two; over steps of changing width each device row
-    equals the step's block ids (zeros past them), whichever host set was filled."""
+    equals the step's block ids (zeros past them)."""
     small = InputBuffers(
         max_num_tokens=64, max_num_reqs=8, max_blocks_per_seq=4, block_size=4,
         device=torch.device("cpu"),
@@ -145,3 +145,46 @@ def test_a_small_step_is_one_copy_with_its_block_table_rows():
     assert len(wide._packed.ranges(used)) == 2  # 63 unused rows of 2 KiB: not copied
     wide.prepare(sched)
     assert wide.block_tables[0, :2].tolist() == [11, 0]
+
+
+def two_host_sets(bufs: InputBuffers) -> None:
+    """Give a CPU InputBuffers the two alternating host sets it has on CUDA (each set's block
+    table is then cleared by its own dirty corner, two steps apart)."""
+    staging = bufs._packed.staging
+    staging._sets.append({name: t.clone() for name, t in staging._sets[0].items()})
+    staging._events.append(None)
+
+    def next_set():
+        staging._index ^= 1
+        return staging._sets[staging._index]
+
+    staging.next = next_set
+
+
+@pytest.mark.parametrize("max_reqs,width", [(8, 4), (64, 512)])
+def test_block_tables_over_two_alternating_host_sets(max_reqs: int, width: int):
+    """300 random steps (changing request counts and widths; merged and unmerged table gaps):
+    every step's device rows and host rows equal its block ids, zeros past them, whichever of
+    the two host sets it was filled through."""
+    import random
+
+    bufs = InputBuffers(
+        max_num_tokens=256, max_num_reqs=max_reqs, max_blocks_per_seq=width, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    two_host_sets(bufs)
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, max_reqs)
+        sizes = [rng.randint(1, 3) for _ in range(n)]
+        sched = dummy_step(sizes, block_size=4)
+        ids = []
+        for s in sched.scheduled:
+            s.request.block_ids = [rng.randint(1, 999) for _ in range(rng.randint(1, width))]
+            ids.append(s.request.block_ids)
+        step = bufs.prepare(sched)
+        for row, blocks in enumerate(ids):
+            want = blocks + [0] * (width - len(blocks))
+            assert bufs.block_tables[row].tolist() == want
+            assert step.batch.block_tables_host[row].tolist() == want
+    assert len(bufs._views) == 2 and len(bufs._table_dirty) == 2

@@ -37,8 +37,9 @@ def skinny_gemm_enabled() -> bool:
 @functools.lru_cache(maxsize=16)
 def skinny_pdl(device: torch.device) -> bool:
     """Whether the skinny GEMM launches on ``device`` (CUDA) are programmatic dependent launches:
-    ``FD_SKINNY_GEMM_PDL`` on and :func:`custom_ops.skinny_gemm.pdl_supported` (sm90+). Cached
-    per device; ``cache_clear()`` re-reads.
+    ``FD_SKINNY_GEMM_PDL`` on and :func:`custom_ops.skinny_gemm.pdl_supported` (sm90+). The
+    RoPE + KV-write kernel (``RotaryEmbedding.forward_and_store``) asks the same, also with
+    ``FD_USE_SKINNY_GEMM=0``. Cached per device; ``cache_clear()`` re-reads.
 
     Raises:
         ValueError: the variable is set to a value that is not a boolean.
