@@ -16,12 +16,28 @@ On CPU there is one set and no event: a copy is done when ``copy_`` returns.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import TypeVar
+
 import torch
+
+V = TypeVar("V")
 
 #: Most streams :func:`current_stream` remembers before it starts over.
 MAX_CACHED_STREAMS = 64
 
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def remember(cache: dict, key: Hashable, value: V, limit: int) -> V:
+    """Store ``value`` under ``key`` in ``cache`` and return it, first emptying ``cache`` when it
+    already holds ``limit`` entries: the bound of the per-shape memos of the step's host path
+    (tensor views, streams), whose entries are cheap to make again. Callers look up with
+    ``cache.get(key)`` themselves, so a hit costs one dict lookup."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def current_stream() -> torch.cuda.Stream:
@@ -41,9 +57,7 @@ def current_stream() -> torch.cuda.Stream:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     stream = _streams.get(key)
     if stream is None:
-        if len(_streams) >= MAX_CACHED_STREAMS:
-            _streams.clear()
-        stream = _streams[key] = torch.cuda.current_stream(index)
+        stream = remember(_streams, key, torch.cuda.current_stream(index), MAX_CACHED_STREAMS)
     return stream
 
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fastdeploy.core.host_staging import PackedBuffers, StagingSets
+from fastdeploy.core.host_staging import PackedBuffers, StagingSets, remember
 from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -261,9 +261,7 @@ class InputBuffers:
         key = (num_reqs, padded, num_sampling)
         views = self._slice_cache.get(key)
         if views is None:
-            if len(self._slice_cache) >= MAX_CACHED_SLICES:
-                self._slice_cache.clear()
-            views = self._slice_cache[key] = (
+            views = (
                 self.query_start_loc[: num_reqs + 1],
                 self.seq_lens[:num_reqs],
                 self.block_tables[:num_reqs],
@@ -272,6 +270,7 @@ class InputBuffers:
                 self.positions[:padded],
                 self.logits_indices[:num_sampling],
             )
+            remember(self._slice_cache, key, views, MAX_CACHED_SLICES)
         return views
 
     @property

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastdeploy.core.host_staging import StagingSets
+from fastdeploy.core.host_staging import StagingSets, remember
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import PagedKVLayout
 
@@ -162,8 +162,6 @@ class PlanStaging:
         key = (id(staged), n, pages)
         views = self._view_cache.get(key)
         if views is None:
-            if len(self._view_cache) >= MAX_CACHED_VIEWS:
-                self._view_cache.clear()
             used = 3 * n + 2 + pages
             packed = staged["packed"][:used]
             dev = self._packed_dev[:used]
@@ -178,7 +176,8 @@ class PlanStaging:
                 last_page_len_dev=dev[b:c],
                 page_ids_dev=dev[c:],
             )
-            views = self._view_cache[key] = (packed.numpy(), packed, dev, arrays)
+            views = (packed.numpy(), packed, dev, arrays)
+            remember(self._view_cache, key, views, MAX_CACHED_VIEWS)
         return views
 
     def stage(
