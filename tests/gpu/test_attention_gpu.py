@@ -435,3 +435,51 @@ def test_decode_graph_replans_only_when_pages_change(shape):
     assert len(plans) == before + 1
     graph.replay()
     assert max_diff(out_buf[:n], reference_attention(step, cache, shape)) < TOL
+
+
+# ---------------------------------------------------------------- one step over many layers
+@pytest.mark.parametrize("shape", SHAPES)
+def test_segment_attention_equals_forward_on_every_layer_and_stream(shape):
+    """The piecewise path's per-layer attention (flashinfer_direct.LayerAttention: run() for the
+    first layer, then the recorded launch with the shared tensors converted to tvm-ffi tensors
+    once) equals backend.forward bit for bit on each layer, and launches on the current
+    stream: on a side stream, behind a long kernel and a zeroing of the output, a launch on any
+    other stream would be overwritten."""
+    from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
+
+    torch.manual_seed(7)
+    backend = make_backend(shape)
+    caches = [new_cache(backend) for _ in range(4)]
+    cached, new = [0, 20, 5], [16, 13, 1]
+    steps = [build_step(c, cached, new, shape, block_pool(3), pad_rows=3) for c in caches]
+    step = steps[0]  # the same blocks and lengths in every layer; the layers' K/V differ
+    for s, c in zip(steps, caches):
+        write_kv_cache_triton(s.k, s.v, c, s.batch.slot_mapping)
+    md = backend.build_metadata(step.batch)
+    backend.bind_kv_caches(caches)
+    n = step.batch.num_tokens
+    want = [backend.forward(step.q, step.k, step.v, c, md, write_kv=False).clone() for c in caches]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    out = torch.empty_like(step.q)
+    with torch.cuda.stream(side):
+        attend = backend.segment_attention(step.q, step.k, step.v, out, md, write_kv=False)
+        for i, c in enumerate(caches):
+            torch.cuda._sleep(20_000_000)  # keeps the side stream busy well past the launch
+            out.zero_()
+            attend(c)
+            got = out.clone()
+            torch.cuda.current_stream().synchronize()
+            assert torch.equal(got, want[i]), f"layer {i}: {max_diff(got, want[i])}"
+    assert max_diff(want[1][:n], reference_attention(step, caches[1], shape)) < TOL
+    # the direct path was taken, with the shared tensors converted
+    import tvm_ffi
+
+    q3 = step.q.view(-1, shape[0], shape[2])[:n]
+    layer = LayerAttention(md.wrapper, q3, torch.empty_like(q3))
+    layer(backend._kv_views[id(caches[0])][1])
+    assert isinstance(layer._launch, tvm_ffi.Function)
+    converted = [a for a in layer._args if isinstance(a, tvm_ffi.Tensor)]
+    cache_args = [layer._args[i] for i in layer._slots]
+    assert len(converted) >= 5 and all(isinstance(a, torch.Tensor) for a in cache_args)
+    backend.bind_kv_caches([])

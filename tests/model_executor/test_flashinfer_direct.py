@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from fastdeploy.model_executor.layers.attention import flashinfer_direct as fd
 from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention, _InnerCalls
 
 
@@ -250,3 +251,91 @@ def test_overlapping_recordings_and_other_threads_record_nothing_foreign():
         fn(1, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1), 0)
         assert len(a.calls) == 1
     assert cell_of(fn).cell_contents is compiled
+
+
+class Converted:
+    """What a fake tvm-ffi import makes of a torch tensor."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def unwrap(a):
+    return a.t if isinstance(a, Converted) else a
+
+
+def converting_module():
+    """closure_module's shape, its compiled function taking converted tensors as tvm-ffi's does."""
+    seen = []
+
+    def compiled(workspace, q, k_cache, v_cache, out, mode):
+        seen.append((workspace, q, k_cache, v_cache, out))
+        out_t = unwrap(out)
+        out_t.copy_(unwrap(q) * k_cache.sum() + v_cache.sum() + mode)
+
+    paged_run_func = compiled
+
+    def paged_run(workspace, q, k_cache, v_cache, out, mode):
+        paged_run_func(workspace, q, k_cache, v_cache, out, mode)
+
+    module = FakeModule()
+    module.paged_run = paged_run
+    return module, compiled, seen
+
+
+def test_tensors_every_layer_shares_are_converted_once_and_the_caches_never(monkeypatch):
+    module, compiled, seen = converting_module()
+    conversions = []
+
+    def importer(launch):
+        if launch is not compiled:
+            return None
+
+        def convert(t):
+            conversions.append(t)
+            return Converted(t)
+
+        return convert
+
+    monkeypatch.setattr(fd, "_ffi_tensor_import", importer)
+    wrapper = FakeWrapper(module)
+    caches = layers()
+    attend_all(wrapper, caches)
+    assert wrapper.runs == 1
+    # layer 0 went through run() with torch tensors; layers 1.. got workspace, q and out
+    # converted (three conversions in all, made once), and their own cache tensors as they are
+    assert len(conversions) == 3
+    for (ws, q, k, v, out), (ck, cv) in zip(seen[1:], caches[1:]):
+        assert all(isinstance(a, Converted) for a in (ws, q, out))
+        assert k is ck and v is cv
+
+
+def test_a_failed_conversion_keeps_the_torch_arguments(monkeypatch):
+    module, compiled, seen = converting_module()
+
+    def convert(t):
+        raise BufferError("no DLPack")
+
+    monkeypatch.setattr(fd, "_ffi_tensor_import", lambda launch: convert)
+    wrapper = FakeWrapper(module)
+    attend_all(wrapper, layers())
+    assert wrapper.runs == 1
+    assert all(isinstance(a, torch.Tensor) for call in seen for a in call)
+
+
+def test_strides_given_by_the_caller_decide_the_direct_launch():
+    wrapper = FakeWrapper(FakeModule())
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    kv = layers(1)[0]
+    strides = (kv[0].stride(), kv[1].stride())
+    attend(kv, strides)
+    attend(kv, strides)  # the known strides: direct
+    assert wrapper.runs == 1
+    attend(kv, ((9, 9), (9, 9)))  # strides said to differ: through run()
+    assert wrapper.runs == 2
+    torch.testing.assert_close(out, expected(q, kv))
+
+
+def test_without_tvm_ffi_nothing_is_converted():
+    assert fd._ffi_tensor_import(lambda *a: None) is None

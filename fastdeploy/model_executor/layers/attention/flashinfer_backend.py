@@ -383,11 +383,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         record_event(done)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Keep ``(k_cache, v_cache)`` views of each layer's cache, made once: flashinfer
-        unbinds a single cache tensor on every ``run``, a few microseconds of host time per
-        layer on the eager path between piecewise segments. ``[]`` drops them (the views hold
-        the caches' memory)."""
-        self._kv_views = {id(c): (c, tuple(c.unbind(1))) for c in kv_caches}
+        """Keep ``(k_cache, v_cache)`` views of each layer's cache and their strides, made
+        once: flashinfer unbinds a single cache tensor on every ``run``, a few microseconds of
+        host time per layer on the eager path between piecewise segments. ``[]`` drops them
+        (the views hold the caches' memory)."""
+        self._kv_views = {}
+        for c in kv_caches:
+            k, v = c.unbind(1)
+            self._kv_views[id(c)] = (c, (k, v), (k.stride(), v.stride()))
         if not kv_caches:  # the engine releases its graphs with its caches
             self._graph_plan_key = None
 
@@ -420,10 +423,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         metadata: FlashInferMetadata,
         write_kv: bool,
-        runner: Callable[[Any, torch.Tensor, torch.Tensor], Callable[[Any], None]],
+        runner: Callable[[Any, torch.Tensor, torch.Tensor], Callable[[Any, Any], None]],
     ) -> Callable[[torch.Tensor], None]:
         """The attention of one step as a function of a layer's cache (see
-        :meth:`segment_attention`); ``runner(wrapper, q3, o3)`` makes the per-layer call."""
+        :meth:`segment_attention`); ``runner(wrapper, q3, o3)`` makes the per-layer call
+        ``run(kv, strides)`` (``strides``: of the bound ``(k, v)`` views, else None)."""
         md = metadata
         rows, n = q.shape[0], md.num_tokens
         if n > rows:
@@ -440,7 +444,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                 write_kv_cache(k, v, kv_cache, slots)
             if run is not None:
                 entry = views.get(id(kv_cache))
-                run(entry[1] if entry is not None and entry[0] is kv_cache else kv_cache)
+                if entry is not None and entry[0] is kv_cache:
+                    run(entry[1], entry[2])
+                else:
+                    run(kv_cache, None)
 
         return attend
 
@@ -477,10 +484,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         return out
 
 
-def _plain_run(wrapper: Any, q: torch.Tensor, out: torch.Tensor) -> Callable[[Any], None]:
+def _plain_run(wrapper: Any, q: torch.Tensor, out: torch.Tensor) -> Callable[[Any, Any], None]:
     """``kv -> wrapper.run(q, kv, out=out)``: one call, nothing to record."""
 
-    def run(kv: Any) -> None:
+    def run(kv: Any, strides: Any = None) -> None:
         wrapper.run(q, kv, out=out)
 
     return run

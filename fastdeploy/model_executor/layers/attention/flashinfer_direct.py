@@ -34,10 +34,19 @@ does a layer whose cache strides differ from the first layer's (``run`` can do s
 work outside the recorded call: the fa3 prefill backend converts the page indices first). Where
 ``run`` passes the ``(k, v)`` pair itself too (the tensor-core decode path does), the layer's
 pair is swapped in as well.
+
+Where the launch is a tvm-ffi function (flashinfer 0.5's compiled modules) and torch has the
+DLPack C exchange API (tvm-ffi's no-sync import), the recorded tensors that stay the same for
+every layer are converted to tvm-ffi tensors once, when recorded: passing a torch tensor
+converts it again on each call. Only the cache tensors stay torch tensors, so each call still
+takes the device and the stream from them, as tvm-ffi does for torch arguments. Measured on an
+H200 host (SmolLM2-135M heads, 16 tokens, 27 arguments of which 9 are such tensors): 8.20 ->
+5.93 us per call (best of 5 x 2,000), the same output bit for bit.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -133,11 +142,17 @@ class LayerAttention:
         self._strides: tuple = ()
         self._recorded = False
 
-    def __call__(self, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __call__(
+        self,
+        kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        strides: tuple | None = None,
+    ) -> None:
+        """Attend over ``kv``; ``strides``: ``(kv[0].stride(), kv[1].stride())`` where the
+        caller knows them (the backend keeps them with its bound views), else read here."""
         if (
             self._args is not None
             and isinstance(kv, tuple)
-            and (kv[0].stride(), kv[1].stride()) == self._strides
+            and (strides or (kv[0].stride(), kv[1].stride())) == self._strides
         ):
             args = self._args
             args[self._slots[0]], args[self._slots[1]] = kv
@@ -171,11 +186,41 @@ class LayerAttention:
             if inner_slots is not None:  # the compiled function under the Python method
                 launch, args, slots = inner.target, inner.calls[0], inner_slots
         if slots is not None:
-            self._launch, self._args, self._slots = launch, args, slots
             self._pair_slots = [i for i, a in enumerate(args) if a is kv]
+            self._launch, self._slots = launch, slots
+            self._args = _preconverted(launch, args, {*slots, *self._pair_slots})
             # Work run() does outside the recorded call (fa3's index conversion) depends on
             # the cache strides: a layer whose cache is laid out differently goes through run().
             self._strides = (kv[0].stride(), kv[1].stride())
+
+
+def _ffi_tensor_import(launch: Any) -> Callable[[torch.Tensor], Any] | None:
+    """tvm-ffi's ``from_dlpack`` where ``launch`` is a tvm-ffi function and torch tensors import
+    through the DLPack C exchange API (no stream sync; what tvm-ffi does with a torch argument
+    on every call), else None."""
+    ffi = sys.modules.get("tvm_ffi")
+    function = getattr(ffi, "Function", None)
+    if function is None or not isinstance(launch, function):
+        return None
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        return None
+    return ffi.from_dlpack
+
+
+def _preconverted(launch: Any, args: list[Any], keep: set[int]) -> list[Any]:
+    """``args`` with every torch tensor outside the positions ``keep`` converted once for
+    ``launch`` (:func:`_ffi_tensor_import`); ``args`` itself where there is no such conversion
+    or one fails (the call then converts them itself, as before)."""
+    convert = _ffi_tensor_import(launch)
+    if convert is None:
+        return args
+    try:
+        return [
+            convert(a) if i not in keep and isinstance(a, torch.Tensor) else a
+            for i, a in enumerate(args)
+        ]
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return args
 
 
 def _cache_slots(args: list[Any], kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int] | None:
