@@ -4,7 +4,9 @@ kernel call with its own cache swapped in; anything unexpected falls back to ``r
 The real wrapper is compared on the GPU (tests/gpu/test_cuda_graphs_gpu.py: piecewise replay
 against the eager forward)."""
 
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -337,5 +339,55 @@ def test_strides_given_by_the_caller_decide_the_direct_launch():
     torch.testing.assert_close(out, expected(q, kv))
 
 
-def test_without_tvm_ffi_nothing_is_converted():
-    assert fd._ffi_tensor_import(lambda *a: None) is None
+def test_only_a_tvm_ffi_function_with_the_exchange_api_gets_the_import(monkeypatch):
+    class Function:  # stands in for tvm_ffi.Function
+        def __call__(self, *args):
+            return None
+
+    def from_dlpack(t):
+        return Converted(t)
+
+    monkeypatch.delenv("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API", raising=False)
+    fake_ffi = SimpleNamespace(Function=Function, from_dlpack=from_dlpack)
+    monkeypatch.setitem(sys.modules, "tvm_ffi", fake_ffi)
+    monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", object(), raising=False)
+    assert fd._ffi_tensor_import(Function()) is from_dlpack
+    assert fd._ffi_tensor_import(lambda *a: None) is None  # a Python launch: never converted
+    monkeypatch.setenv("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API", "1")  # tvm-ffi's switch
+    assert fd._ffi_tensor_import(Function()) is None
+    monkeypatch.delenv("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API")
+    monkeypatch.delattr(torch.Tensor, "__dlpack_c_exchange_api__")  # no no-sync import
+    assert fd._ffi_tensor_import(Function()) is None
+    monkeypatch.delitem(sys.modules, "tvm_ffi")  # no tvm-ffi at all
+    assert fd._ffi_tensor_import(Function()) is None
+
+
+def test_a_recording_leaves_no_reference_cycle():
+    import gc
+    import weakref
+
+    def compiled(workspace, q, k_cache, v_cache, out, mode):  # keeps nothing
+        out.copy_(q * k_cache.sum() + v_cache.sum() + mode)
+
+    def make_paged_run():
+        paged_run_func = compiled
+
+        def paged_run(workspace, q, k_cache, v_cache, out, mode):
+            paged_run_func(workspace, q, k_cache, v_cache, out, mode)
+
+        return paged_run
+
+    module = FakeModule()
+    module.paged_run = make_paged_run()
+    wrapper = FakeWrapper(module)
+    q, out = torch.randn(2, 3), torch.empty(2, 3)
+    k, v = torch.ones(2, 3), torch.ones(2, 3)
+    attend = LayerAttention(wrapper, q, out)
+    attend((k, v))
+    ref = weakref.ref(k)
+    gc.disable()
+    try:
+        del attend, k, v
+        assert ref() is None  # freed by reference counting alone, without the cycle collector
+    finally:
+        gc.enable()
