@@ -77,13 +77,26 @@ class GPUModelRunner:
         self.sampling.reset()
 
     # ---------------------------------------------------------------- capture
-    def init_graph_runner(self, plan: GraphPlan, num_warmups: int, graph_opt_level: int):
+    def init_graph_runner(
+        self,
+        plan: GraphPlan,
+        num_warmups: int,
+        graph_opt_level: int,
+        capture_logits: bool = False,
+    ):
         """Create the (empty) graph runner of ``plan`` for this runner's model and backend; the
-        capture loops below fill it during warm-up."""
+        capture loops below fill it during warm-up. ``capture_logits``: the decode graphs end
+        with the logits and their argmax (``CudaGraphRunner``), which a decode step then samples
+        from instead of launching the LM head and the argmax itself."""
         from fastdeploy.model_executor.graph_optimization.graph_runner import CudaGraphRunner
 
         self.graph_runner = CudaGraphRunner(
-            self.model, self.attn_backend, plan, num_warmups, graph_opt_level
+            self.model,
+            self.attn_backend,
+            plan,
+            num_warmups,
+            graph_opt_level,
+            capture_logits=capture_logits,
         )
         return self.graph_runner
 
@@ -192,23 +205,29 @@ class GPUModelRunner:
             self.sampling.free(rid)
         if sched.is_empty:
             return PendingOutput.ready({})
-        hidden, inputs, _ = self.forward(sched, dispatch, layer_events)
+        hidden, inputs, mode = self.forward(sched, dispatch, layer_events)
         self.last_sampled = None
         if not inputs.sampling_reqs:
             return PendingOutput.ready({})
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
-        # A decode step samples every row in order: a slice, no gather kernel.
+        # A decode step samples every row in order: a slice, no gather kernel; a full graph
+        # captured with its logits has them already.
         num_sampling = len(inputs.sampling_reqs)
-        if inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs:
-            rows = hidden[:num_sampling]
+        tail = self.graph_runner.decode_logits(inputs.padded) if mode == "full" else None
+        argmax = None
+        if tail is not None:
+            logits, argmax = tail[0][:num_sampling], tail[1][:num_sampling]
         else:
-            rows = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(rows, upcast=False)
+            if inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs:
+                rows = hidden[:num_sampling]
+            else:
+                rows = hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(rows, upcast=False)
         if not self.is_driver:
             return PendingOutput.ready({})
         scheduled = sched.scheduled  # the requests that sample, as prepare() found them
         reqs = [scheduled[i].request for i in inputs.sampling]
-        out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]))
+        out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]), argmax)
         self.sampling.record(reqs, out.token_ids)
         rows = dict(zip(inputs.sampling_reqs, range(num_sampling)))
         self.last_sampled = LastSampled(out.token_ids, rows)

@@ -308,8 +308,13 @@ class GpuWorker:
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
             self.runner.steps_by_mode["eager"] -= 2
             gcfg = self.config.graph_opt_config
+            # The decode graphs end with the logits and their argmax; not under tensor
+            # parallelism, whose LM head all-gathers the logits into a tensor of its own.
             graphs = self.runner.init_graph_runner(
-                plan, gcfg.cudagraph_num_of_warmups, gcfg.graph_opt_level
+                plan,
+                gcfg.cudagraph_num_of_warmups,
+                gcfg.graph_opt_level,
+                capture_logits=self.tp is None,
             )
             try:
                 with capture_session(graphs) as bar:

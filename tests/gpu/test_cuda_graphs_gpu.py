@@ -130,6 +130,36 @@ def test_graph_replay_logits_equal_eager(llm):
     print("max |logit graph - eager|:", {k: round(v, 5) for k, v in diffs.items()})
 
 
+@torch.inference_mode()
+def test_decode_graph_ends_with_the_logits_and_argmax_of_its_rows(llm):
+    """A full decode graph (one GPU: ``capture_logits``) computes its bucket's logits into the
+    shared buffer and their argmax; the step samples those instead of launching the LM head and
+    the argmax. The logits equal the LM head run eagerly on the graph's hidden rows (up to the
+    GEMM's row count), and the argmax is exactly the argmax of those logits, padding included."""
+    from custom_ops.argmax_ops import argmax_rows
+
+    b = StepBuilder(llm, seed=3)
+    graphs = b.runner.graph_runner
+    assert graphs.capture_logits
+    decs = [b.request(12 + 5 * i) for i in range(5)]
+    for q in decs:
+        b.fill(q, q.num_prompt_tokens - 1)
+    hidden, inputs, mode = b.runner.forward(
+        b.step(*[(q, q.num_prompt_tokens - 1, 1) for q in decs])
+    )
+    assert mode == "full" and inputs.padded == 8
+    logits, argmax = graphs.decode_logits(8)
+    assert logits.shape == (8, llm.engine.vocab_size) and logits.dtype == hidden.dtype
+    assert argmax.dtype == torch.int64 and argmax.shape == (8,)
+    assert torch.equal(argmax, argmax_rows(logits))
+    eager = b.runner.model.compute_logits(hidden[:5], upcast=False).float()
+    diff = (logits[:5].float() - eager).abs().max().item()
+    assert diff <= GRAPH_LOGIT_ATOL, diff
+    # Every bucket writes its rows of one buffer: no logits buffer per bucket.
+    small = graphs.full[min(graphs.full)].tail_output[0]
+    assert small.data_ptr() == logits.data_ptr()
+
+
 def test_greedy_graphs_on_equal_off_and_transformers(llm, model_dir):
     prompts = random_prompts(4, llm.engine.vocab_size, 8, 300, seed=5)
     before = dict(llm.engine.get_stats()["steps_by_mode"])

@@ -140,3 +140,23 @@ def test_sampler_takes_model_dtype_logits():
     )
     sampled = Sampler()(logits, meta(8, temperature=1.0))
     assert sampled.token_ids.dtype == torch.int64 and sampled.token_ids.shape == (8,)
+
+
+def test_sampler_takes_a_given_argmax_only_where_the_logits_are_unprocessed():
+    """A full decode graph hands the sampler its logits' argmax (``argmax=``). Greedy rows take
+    it as it is when nothing processes the logits; a processed step (here a min_tokens mask)
+    takes the argmax of the processed logits instead. The given argmax is deliberately not the
+    true one, so each assertion tells which was used."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    given = torch.tensor([1, 2])  # not the argmax (2, 0): marks that the given one was taken
+    out = Sampler()(logits, meta(2), argmax=given)
+    assert out.token_ids is given
+    assert Sampler()(logits, meta(2)).token_ids.tolist() == [2, 0]  # without it: computed
+    # Logprobs asked: the slow path, the logits unprocessed: greedy rows keep the given argmax.
+    assert Sampler()(logits, meta(2, logprobs=0), argmax=given).token_ids.tolist() == [1, 2]
+    processing = LogitsProcessingMetadata(
+        stop_mask=torch.tensor([[False, False, True, False]] * 2),
+        min_tokens_active=torch.tensor([True, False]),
+    )
+    out = Sampler()(logits, meta(2, processing=processing), argmax=given)
+    assert out.token_ids.tolist() == [3, 0]  # the masked row's next best; row 1 unmasked

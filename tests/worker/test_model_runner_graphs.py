@@ -33,10 +33,14 @@ PLAN = GraphPlan(
 
 class EagerGraphs:
     """Stands in for ``CudaGraphRunner``: records captures and replays; a replay runs the model
-    eagerly on the padded inputs the runner prepared."""
+    eagerly on the padded inputs the runner prepared. With ``capture_logits`` a full replay also
+    computes what a captured tail does (every row's logits and their argmax) for
+    ``decode_logits``."""
 
-    def __init__(self, runner, plan: GraphPlan) -> None:
+    def __init__(self, runner, plan: GraphPlan, capture_logits: bool = False) -> None:
         self.runner, self.plan = runner, plan
+        self.capture_logits = capture_logits
+        self.tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.captured: list[tuple] = []
         self.replayed: list[tuple[str, int, int]] = []
         self.max_positions: list[int] = []  # per captured prefill bucket
@@ -59,7 +63,14 @@ class EagerGraphs:
         self.replayed.append(("full", bucket, input_ids.numel()))
         backend = self.runner.attn_backend
         meta = ForwardMeta(backend, backend.build_metadata(batch), self.runner.kv_caches)
-        return self._run(input_ids, meta)
+        hidden = self._run(input_ids, meta)
+        if self.capture_logits:
+            logits = self.runner.model.compute_logits(hidden, upcast=False)
+            self.tails[bucket] = (logits, logits.argmax(dim=-1))
+        return hidden
+
+    def decode_logits(self, bucket):
+        return self.tails[bucket] if self.capture_logits else None
 
     def replay_piecewise(self, bucket, input_ids, forward_meta):
         self.replayed.append(("piecewise", bucket, input_ids.numel()))
@@ -139,6 +150,41 @@ def test_steps_replay_the_bucket_dispatch_picks_and_padding_changes_nothing(llm)
         )
     steps = {m: runner.steps_by_mode[m] - before[m] for m in before}
     assert steps["full"] + steps["piecewise"] == len(fake.replayed)
+
+
+def test_full_steps_sample_the_logits_and_argmax_their_graph_computed(llm):
+    """With ``capture_logits`` a full decode step takes the logits and argmax its graph computed
+    (the stand-in computes them in its replay): the runner computes logits only for the other
+    steps and hands the sampler the graph's argmax, and the greedy tokens equal eager ones."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 20, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runner = llm.engine.worker.runner
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    fake = EagerGraphs(runner, PLAN, capture_logits=True)
+    model, sampler = runner.model, runner.sampler
+    calls = {"logits": 0, "given": 0, "sampled": 0}
+
+    def compute_logits(*args, **kwargs):
+        calls["logits"] += 1
+        return type(model).compute_logits(model, *args, **kwargs)
+
+    def sample(logits, meta, argmax=None):
+        calls["sampled"] += 1
+        calls["given"] += argmax is not None
+        return sampler(logits, meta, argmax)
+
+    runner.graph_runner, runner.sampler, model.compute_logits = fake, sample, compute_logits
+    try:
+        graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        runner.graph_runner, runner.sampler = None, sampler
+        del model.compute_logits
+    assert graphs == eager
+    full = sum(kind == "full" for kind, _, _ in fake.replayed)
+    assert full > 0 and full < calls["sampled"]  # piecewise steps sampled too
+    assert calls["given"] == full  # every full step handed the graph's argmax over
+    assert calls["logits"] == calls["sampled"]  # once a step: the stand-in's, or the runner's
 
 
 def test_one_request_engine_captures_a_bucket_of_its_whole_block_table(tmp_path):

@@ -44,6 +44,14 @@ class CudaGraphRunner:
         graph_opt_level: 0 plain segments; 1/2 segments compiled with ``torch.compile``.
         pool: the one memory pool every graph shares (a new one when None).
         stream: the side stream graphs are captured on (a new one when None).
+        capture_logits: the full decode graphs also compute the LM head of every row, into one
+            ``[largest decode bucket, vocab]`` buffer of the model's dtype that all decode
+            buckets share, and its argmax (:func:`custom_ops.argmax_ops.argmax_rows`), so a
+            decode step launches no logits or greedy sampling kernels of its own
+            (:meth:`decode_logits`). A decode step samples every row, so no row is computed
+            for nothing; the model must have ``compute_logits(hidden, upcast=False, out=)``
+            and an ``lm_head.weight`` ``[vocab, hidden]`` (not under tensor parallelism, whose
+            head all-gathers into a tensor of its own).
     """
 
     def __init__(
@@ -55,6 +63,7 @@ class CudaGraphRunner:
         graph_opt_level: int,
         pool=None,
         stream: torch.cuda.Stream | None = None,
+        capture_logits: bool = False,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -73,6 +82,8 @@ class CudaGraphRunner:
         self._check_addresses = envs.FD_DEBUG_CUDAGRAPH_ADDRESSES()
         self._bufs: SegmentBuffers | None = None
         self.attn_layers = [layer.attn for layer in model.layers]
+        self.capture_logits = capture_logits
+        self._logits: torch.Tensor | None = None  # shared by the decode graphs' tails
 
     # ----------------------------------------------------------- capture
     def begin_capture(self) -> None:
@@ -185,7 +196,8 @@ class CudaGraphRunner:
         meta = dataclasses.replace(
             forward_meta, attn_metadata=backend.plan_graph_decode(graph_meta, batch, batch_size)
         )
-        graph = FullGraph(batch_size, self.model, input_ids, positions, graph_meta)
+        tail = self._logits_tail(batch_size) if self.capture_logits else None
+        graph = FullGraph(batch_size, self.model, input_ids, positions, graph_meta, tail)
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
@@ -201,7 +213,33 @@ class CudaGraphRunner:
         graph.input_ptr = input_ids.data_ptr()
         self.full[batch_size] = graph
 
+    def _logits_tail(self, batch_size: int):
+        """The tail of a decode graph of ``batch_size`` rows: the logits into its rows of the
+        shared buffer (allocated at the first, largest, decode capture), and their argmax."""
+        from custom_ops.argmax_ops import argmax_rows
+
+        if self._logits is None:
+            weight = self.model.lm_head.weight
+            self._logits = torch.empty(
+                batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device
+            )
+        rows = self._logits[:batch_size]
+        model = self.model
+
+        def tail(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model.compute_logits(hidden, upcast=False, out=rows)
+            return logits, argmax_rows(logits)
+
+        return tail
+
     # ----------------------------------------------------------- replay
+    def decode_logits(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the last replay of decode bucket ``bucket`` computed after the hidden states:
+        ``(logits [bucket, vocab], argmax int64 [bucket])``, static tensors (consume them
+        before the next step) whose rows past the step's requests are padding; None when the
+        graphs were captured without ``capture_logits``."""
+        return self.full[bucket].tail_output
+
     def replay_full(
         self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
@@ -242,3 +280,4 @@ class CudaGraphRunner:
         self.piecewise.clear()
         self.full.clear()
         self._bufs = None
+        self._logits = None

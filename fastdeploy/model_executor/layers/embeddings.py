@@ -55,8 +55,10 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
         self.tied = True
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.weight)
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]``; into ``out`` (``[N, vocab]``, the weight's dtype)
+        when given (a decode graph writes its rows of one shared logits buffer)."""
+        return linear(hidden_states, self.weight, out=out)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

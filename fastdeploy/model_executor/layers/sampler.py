@@ -85,21 +85,29 @@ class Sampler:
     ``[V]`` draw per sampled token, so its stream depends only on its seed and its token count.
     """
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, argmax: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """Sample from ``logits`` ``[N, V]`` (not modified; float32, or the model dtype: a step of
         greedy rows without logits processing or logprobs takes the argmax of them as they are,
         which equals the argmax of their exact float32 values, and the others are upcast);
         returns token ids int64 ``[N]`` and, when asked, log-probabilities of the raw
         distribution (before temperature, penalties, ``logit_bias`` and the ``min_tokens`` mask,
-        as vLLM reports them)."""
+        as vLLM reports them).
+
+        ``argmax`` (int64 ``[N]``), when given, is ``logits``' row argmax already computed (a
+        full decode graph computes it after the LM head): the greedy rows of a step without
+        logits processing take it instead of launching the argmax again.
+        """
         if meta.all_greedy and meta.processing is None and meta.max_num_logprobs is None:
-            return SamplerOutput(token_ids=argmax_rows(logits))
+            return SamplerOutput(token_ids=argmax if argmax is not None else argmax_rows(logits))
         logits = logits.float()
         if meta.max_num_logprobs is not None:
             logp = logits.log_softmax(dim=-1)
         if meta.processing is not None:
             logits = process_logits(logits, meta.processing)
-        out = SamplerOutput(token_ids=argmax_rows(logits))
+            argmax = None  # the processed logits have an argmax of their own
+        out = SamplerOutput(token_ids=argmax if argmax is not None else argmax_rows(logits))
         if not meta.all_greedy:
             greedy = meta.temperature == 0
             temp = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
