@@ -210,18 +210,21 @@ class GPUModelRunner:
         if not inputs.sampling_reqs:
             return PendingOutput.ready({})
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
-        # A decode step samples every row in order: a slice, no gather kernel; a full graph
-        # captured with its logits has them already.
+        # A decode step whose rows all sample takes them in order: a slice, no gather kernel (a
+        # one-token prefill chunk that is not the prompt's end is a decode-only row that does
+        # not sample). A full graph captured with its logits has every row's already.
         num_sampling = len(inputs.sampling_reqs)
+        every_row = inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs
         tail = self.graph_runner.decode_logits(inputs.padded) if mode == "full" else None
         argmax = None
         if tail is not None:
-            logits, argmax = tail[0][:num_sampling], tail[1][:num_sampling]
-        else:
-            if inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs:
-                rows = hidden[:num_sampling]
+            if every_row:
+                logits, argmax = tail[0][:num_sampling], tail[1][:num_sampling]
             else:
-                rows = hidden[inputs.logits_indices]
+                logits = tail[0].index_select(0, inputs.logits_indices)
+                argmax = tail[1].index_select(0, inputs.logits_indices)
+        else:
+            rows = hidden[:num_sampling] if every_row else hidden[inputs.logits_indices]
             logits = self.model.compute_logits(rows, upcast=False)
         if not self.is_driver:
             return PendingOutput.ready({})

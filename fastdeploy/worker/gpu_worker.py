@@ -211,8 +211,9 @@ class GpuWorker:
         run the device out of memory: the graphs' private pool holds about one forward's
         activations at the largest bucket (bounded by the profile run's), and while it does, the
         next bucket's eager warm-up needs up to as much again on the capture stream; plus the
-        shared segment buffers (six ``[max_prefill_bucket, width]`` tensors) and 256 MiB for the
-        decode graphs' attention metadata. Counting the pool alone overshot
+        shared segment buffers (six ``[max_prefill_bucket, width]`` tensors), 256 MiB for the
+        decode graphs' attention metadata and, on one GPU, the decode graphs' shared
+        ``[max_decode_bucket, vocab]`` logits buffer. Counting the pool alone overshot
         ``gpu_memory_utilization`` by 0.6 GiB with Qwen3-30B-A3B at 8,192 tokens on an H200. The
         capture log reports the memory actually used."""
         plan = self.graph_plan
@@ -224,7 +225,10 @@ class GpuWorker:
             2 * hidden + 2 * self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim
         )
         max_tokens = max(plan.prefill_capture_sizes, default=0)
-        return 2 * activations + max_tokens * width * elem + (256 << 20)
+        logits = 0
+        if self.tp is None:  # capture_logits (graph_optimize_and_warm_up_model)
+            logits = max(plan.decode_capture_sizes, default=0) * self.source.hf_config.vocab_size
+        return 2 * activations + (max_tokens * width + logits) * elem + (256 << 20)
 
     def _profile_step(self) -> SchedulerOutput:
         """The largest step: exactly ``max(max_num_batched_tokens, largest prefill bucket)``

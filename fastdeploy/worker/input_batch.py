@@ -68,7 +68,9 @@ class LastSampled:
     step's placeholder rows take their ids from here.
 
     Attributes:
-        token_ids: int64 ``[num_sampling]`` on the device, the sampler's output.
+        token_ids: int64 ``[num_sampling]`` on the device, the sampler's output (for a greedy
+            full decode step a view of the graph's static argmax, overwritten by that bucket's
+            next replay: the next step's ``prepare`` queues its read before its own replay).
         rows: request id -> row of ``token_ids``.
     """
 

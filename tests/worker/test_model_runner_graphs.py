@@ -16,6 +16,8 @@ import torch
 from tiny_models import tiny_llama
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.core.request import Request
+from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
@@ -185,6 +187,74 @@ def test_full_steps_sample_the_logits_and_argmax_their_graph_computed(llm):
     assert full > 0 and full < calls["sampled"]  # piecewise steps sampled too
     assert calls["given"] == full  # every full step handed the graph's argmax over
     assert calls["logits"] == calls["sampled"]  # once a step: the stand-in's, or the runner's
+
+
+def test_full_steps_sample_seeded_and_logprob_rows_from_the_graph_logits(llm):
+    """Seeded random rows, a greedy row with logprobs and a penalised row share full steps whose
+    logits come from the graph: tokens and logprobs equal the eager steps' (the seeded rows draw
+    from their own generators, so equal logits give equal tokens)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 17, 26, 3)]
+    params = [
+        SamplingParams(temperature=0.8, seed=11, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=5, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=7, ignore_eos=True),
+    ]
+    runner = llm.engine.worker.runner
+
+    def run():
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    eager = run()
+    fake = EagerGraphs(runner, PLAN, capture_logits=True)
+    runner.graph_runner = fake
+    try:
+        graphs = run()
+    finally:
+        runner.graph_runner = None
+    assert any(kind == "full" for kind, _, _ in fake.replayed)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    got, want = graphs[1].logprobs, eager[1].logprobs
+    assert len(got) == len(want) == 7
+    for a, b in zip(got, want):
+        assert a["token_id"] == b["token_id"]
+        assert [t for t, _ in a["top_logprobs"]] == [t for t, _ in b["top_logprobs"]]
+        assert abs(a["logprob"] - b["logprob"]) < 1e-5
+
+
+def test_a_full_step_samples_the_graph_rows_of_its_sampling_requests_only(llm):
+    """A decode-only step can hold a row that does not sample: a one-token prefill chunk short
+    of its prompt's end. Here that row comes first, so the graph's first rows are not the
+    sampling ones: the runner must pick the sampling request's row of the graph's logits and
+    argmax (its token then equals the eager step's)."""
+    runner = llm.engine.worker.runner
+    g = torch.Generator().manual_seed(2)
+
+    def request(name: str, n: int, block: int) -> Request:
+        ids = torch.randint(3, 512, (n,), generator=g).tolist()
+        req = Request(name, ids, SamplingParams(temperature=0))
+        req.block_ids = [block]  # the engine holds no request: these blocks are free
+        return req
+
+    runner.reset_sampling_state()  # an earlier generate's last requests still hold slots
+    chunk, last = request("chunk", 5, 1), request("last", 4, 2)
+    runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest(last, 0, 3)]))
+    step = SchedulerOutput(scheduled=[ScheduledRequest(chunk, 0, 1), ScheduledRequest(last, 3, 1)])
+    assert step.is_decode_only and [s.samples for s in step.scheduled] == [False, True]
+    eager = runner.execute_model(step)
+    fake = EagerGraphs(runner, PLAN, capture_logits=True)
+    runner.graph_runner = fake
+    try:
+        graph = runner.execute_model(step)
+    finally:
+        runner.graph_runner = None
+        runner.reset_sampling_state()
+    assert fake.replayed == [("full", 2, 2)]
+    assert list(graph) == ["last"]
+    assert graph["last"].token_id == eager["last"].token_id
+    # The graph's first row (the chunk's) would be another token: the check can tell.
+    assert int(fake.tails[2][1][0]) != eager["last"].token_id
 
 
 def test_one_request_engine_captures_a_bucket_of_its_whole_block_table(tmp_path):

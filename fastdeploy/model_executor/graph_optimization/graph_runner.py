@@ -48,10 +48,11 @@ class CudaGraphRunner:
             ``[largest decode bucket, vocab]`` buffer of the model's dtype that all decode
             buckets share, and its argmax (:func:`custom_ops.argmax_ops.argmax_rows`), so a
             decode step launches no logits or greedy sampling kernels of its own
-            (:meth:`decode_logits`). A decode step samples every row, so no row is computed
-            for nothing; the model must have ``compute_logits(hidden, upcast=False, out=)``
-            and an ``lm_head.weight`` ``[vocab, hidden]`` (not under tensor parallelism, whose
-            head all-gathers into a tensor of its own).
+            (:meth:`decode_logits`). The rows of a decode step nearly always all sample (a
+            one-token prefill chunk short of its prompt's end does not, and the runner picks
+            the sampling rows). The model must have ``compute_logits(hidden, upcast=False,
+            out=)`` and an ``lm_head.weight`` ``[vocab, hidden]`` (not under tensor
+            parallelism, whose head all-gathers into a tensor of its own).
     """
 
     def __init__(

@@ -45,7 +45,10 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     """``token_ids`` int64 ``[N]``; with logprobs asked: ``logprobs`` float32 ``[N]`` of the chosen
-    tokens and ``top_ids`` int64 / ``top_logprobs`` float32 ``[N, max_num_logprobs]``."""
+    tokens and ``top_ids`` int64 / ``top_logprobs`` float32 ``[N, max_num_logprobs]``.
+
+    ``token_ids`` may be the ``argmax`` the caller passed in, which for a full decode step is a
+    CUDA graph's static output: queue every read of it before the next step's replay."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
