@@ -206,6 +206,13 @@ class GpuWorker:
         )
         return max(budget, 0)
 
+    @property
+    def graphs_capture_logits(self) -> bool:
+        """Whether the decode graphs end with the logits and their argmax
+        (``CudaGraphRunner``'s ``capture_logits``): not under tensor parallelism, whose LM head
+        all-gathers the logits into a tensor of its own."""
+        return self.tp is None
+
     def estimate_graph_memory(self, activations: int) -> int:
         """Bytes to keep free for CUDA graphs, taken out of the KV budget so that capture cannot
         run the device out of memory: the graphs' private pool holds about one forward's
@@ -226,7 +233,7 @@ class GpuWorker:
         )
         max_tokens = max(plan.prefill_capture_sizes, default=0)
         logits = 0
-        if self.tp is None:  # capture_logits (graph_optimize_and_warm_up_model)
+        if self.graphs_capture_logits:
             logits = max(plan.decode_capture_sizes, default=0) * self.source.hf_config.vocab_size
         return 2 * activations + (max_tokens * width + logits) * elem + (256 << 20)
 
@@ -312,13 +319,11 @@ class GpuWorker:
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
             self.runner.steps_by_mode["eager"] -= 2
             gcfg = self.config.graph_opt_config
-            # The decode graphs end with the logits and their argmax; not under tensor
-            # parallelism, whose LM head all-gathers the logits into a tensor of its own.
             graphs = self.runner.init_graph_runner(
                 plan,
                 gcfg.cudagraph_num_of_warmups,
                 gcfg.graph_opt_level,
-                capture_logits=self.tp is None,
+                capture_logits=self.graphs_capture_logits,
             )
             try:
                 with capture_session(graphs) as bar:

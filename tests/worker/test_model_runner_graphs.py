@@ -281,3 +281,28 @@ def test_capture_steps_keep_positions_below_max_model_len(tmp_path):
     fake = capture_all(llm.engine.worker.runner, plan_of([64], []))
     assert [c[1] for c in fake.captured] == [64]
     assert fake.max_positions == [31]  # two requests of 32 tokens
+
+
+def test_graph_memory_estimate_counts_the_shared_logits_buffer_on_one_gpu():
+    """The KV budget keeps room for the decode graphs' shared logits buffer ([largest decode
+    bucket, vocab] of the model dtype) where the graphs capture it (one GPU), not under tensor
+    parallelism."""
+    from types import SimpleNamespace
+
+    from fastdeploy.worker.gpu_worker import GpuWorker
+
+    hf = SimpleNamespace(hidden_size=576, vocab_size=49152)
+    worker = SimpleNamespace(
+        graph_plan=plan_of([512, 16], [64, 8, 1]), dtype=torch.bfloat16,
+        source=SimpleNamespace(hf_config=hf), num_heads=9, head_dim=64, num_kv_heads=3, tp=None,
+    )  # fmt: skip
+
+    def estimate(tp):
+        worker.tp = tp
+        worker.graphs_capture_logits = GpuWorker.graphs_capture_logits.fget(worker)
+        return worker.graphs_capture_logits, GpuWorker.estimate_graph_memory(worker, 10_000)
+
+    one, with_logits = estimate(None)
+    tp, without = estimate(SimpleNamespace(world_size=2))
+    assert one and not tp
+    assert with_logits - without == 64 * 49152 * 2
