@@ -284,3 +284,30 @@ def test_non_streaming_client_timeout_aborts(server):
         assert engine.aborted
     finally:
         engine.step_delay_s = 0.002
+
+
+def test_only_text_prompts_take_the_tokenizing_thread(client, monkeypatch):
+    from fastdeploy.entrypoints.openai.serving_completion import has_text
+    from fastdeploy.entrypoints.openai.serving_utils import OpenAIServing
+
+    calls = []
+    real = OpenAIServing.off_loop
+
+    async def counting(self, fn, *args):
+        calls.append(fn.__name__)
+        return await real(self, fn, *args)
+
+    monkeypatch.setattr(OpenAIServing, "off_loop", counting)
+    ids = TOK.encode("hi there")
+    for prompt in (ids, [ids]):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        assert done.usage.prompt_tokens == len(ids)
+        assert done.choices[0].text == expected_text(ids, 3)
+    assert calls == []
+    for prompt in ("hi there", ["hi there"]):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        assert done.usage.prompt_tokens == len(ids)
+    assert calls == ["tokenize_prompt", "tokenize_prompt"]
+    assert [has_text(p) for p in ("", "a", ["a"], [1], [[1]], [])] == [
+        True, True, True, False, False, False,
+    ]  # fmt: skip

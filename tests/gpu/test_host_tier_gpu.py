@@ -125,10 +125,10 @@ def spy_logits(eng: LLMEngine) -> dict[str, list[torch.Tensor]]:
         order[:] = [r.request_id for r in reqs]
         return prepare(reqs, vocab_size)
 
-    def spy_sampler(logits, meta):
+    def spy_sampler(logits, meta, argmax=None):
         for rid, row in zip(order, logits.float().cpu()):
             rows[rid].append(row)
-        return sampler(logits, meta)
+        return sampler(logits, meta, argmax)
 
     runner.sampling.prepare, runner.sampler = spy_prepare, spy_sampler
     return rows

@@ -38,6 +38,14 @@ from fastdeploy.entrypoints.openai.sse import (
 )
 
 
+def has_text(prompt: Any) -> bool:
+    """Whether a completion's ``prompt`` field holds text (a string, or a list of strings),
+    which must be tokenized, rather than token ids."""
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str)
+    )
+
+
 class OpenAIServingCompletion(OpenAIServing):
     """Handles legacy completions for one served model (one prompt per request)."""
 
@@ -73,7 +81,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
-        prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
+        if has_text(req.prompt):
+            prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
+        else:
+            # Token ids are only copied: no tokenizer runs, so the tokenizing thread's hop
+            # would cost this request its wait for the GIL while the loop streams others.
+            prompt, prompt_ids = self.tokenize_prompt(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
