@@ -8,8 +8,7 @@ on an H200, 64 streams, output tok/s: 11,141 with the engine on a thread, 26,471
 process, 37,998 offline; README, Benchmarks).
 
 Wire: two one-way pipes (``multiprocessing.Pipe``; the ``spawn`` start method, which CUDA
-needs). Commands (``AddRequest``, ``AbortRequest``, ``StopLoop``) go down, read between steps by
-the loop's own thread (:class:`PipeCommands`); the loop's messages
+needs). Commands (``AddRequest``, ``AbortRequest``, ``StopLoop``) go down; the loop's messages
 (``stats``, ``step``, ``fail``, ``dead``) come up, one per step, pickled. Before the loop starts
 the engine process sends ``("ready", info)`` (the :class:`~fastdeploy.engine.admission.Admission`
 requests are checked against, the resolved config and graph plan) or ``("error", exception)``
@@ -33,13 +32,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import queue
 import signal
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from fastdeploy.core.outputs import EngineOutputList
@@ -249,15 +246,14 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    commands = PipeCommands(cmd_conn)
+    commands: queue.SimpleQueue = queue.SimpleQueue()
     ready = threading.Event()
-    watcher = threading.Thread(
-        target=_watch_until_ready,
+    threading.Thread(
+        target=_pump,
         args=(cmd_conn, commands, ready),
-        name="fastdeploy-engine-start-watch",
+        name="fastdeploy-engine-commands",
         daemon=True,
-    )
-    watcher.start()
+    ).start()
     emit = _Emitter(out_conn, commands)
     from fastdeploy.engine.engine import LLMEngine
 
@@ -270,7 +266,6 @@ def run_engine_core(
         return
     try:
         ready.set()
-        watcher.join()  # from here on only the loop's thread reads the command pipe
         emit(
             "ready",
             {
@@ -284,111 +279,23 @@ def run_engine_core(
     finally:
         engine.shutdown()
         out_conn.close()
-        commands.close()
 
 
-#: Seconds between the start-up watcher's checks of the command pipe (also the most that
-#: ``ready`` waits for the watcher to stop).
-WATCH_POLL_S = 0.05
-
-
-def _watch_until_ready(conn: Any, commands: PipeCommands, ready: threading.Event) -> None:
-    """While the engine starts, end the process at once when the server is gone (end-of-file on
-    the command pipe): no request can be in flight, and loading a large model to completion
-    would hold its GPU memory for nothing (its tensor-parallel ranks exit with it). A command
-    that arrives early is kept, in order, for the loop. Returns once ``ready`` is set."""
-    while not ready.is_set():
-        if not conn.poll(WATCH_POLL_S):
-            continue
+def _pump(conn: Any, commands: queue.SimpleQueue, ready: threading.Event) -> None:
+    """Move commands from the pipe to the loop's queue. End-of-file (the server is gone) stops
+    the loop, or, before the engine is ready, ends the process at once: no request can be in
+    flight, and loading a large model to completion would hold its GPU memory for nothing (its
+    tensor-parallel ranks exit with it)."""
+    while True:
         try:
-            commands.put(conn.recv())
+            cmd = conn.recv()
         except (EOFError, OSError):
-            logger.error("the server process is gone before the engine was ready; exiting")
-            os._exit(1)
-
-
-class PipeCommands:
-    """The engine loop's commands in the engine process (``get(timeout=)``, ``get_nowait()``,
-    ``put()``, as :class:`queue.SimpleQueue`): read from the server's pipe by the loop's own
-    thread, between steps.
-
-    Why not a reader thread: the loop's thread holds the GIL for nearly all of a host-bound
-    step, so a thread woken by a command waited for it, up to the 5 ms switch interval, before
-    it could even unpickle the command. Measured on one H200 host, 64 streams of SmolLM2-135M,
-    two runs each: a request took 2.4 and 2.1 ms (median) from the server's ``add_request`` to
-    the engine's with a reader thread, 1.7 and 1.4 ms this way (what is left is mostly the wait
-    for the step in flight to end).
-
-    Commands put by this process (``Wake`` from PD's transfer threads, ``StopLoop`` from the
-    emitter, commands the start-up watcher read early) go to a local queue, which is read
-    first; a byte on a wake-up pipe ends a wait. End-of-file on the server's pipe (the server
-    is gone) reads as :class:`StopLoop`.
-
-    Args:
-        conn: the receiving end of the server's command pipe (``multiprocessing`` connection).
-    """
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-        self._open = True
-        self._local: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-
-    def put(self, cmd: Command) -> None:
-        """Queue a command of this process (any thread) and wake a waiting :meth:`get`."""
-        self._local.put(cmd)
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # the pipe is full (a wake-up is pending anyway) or closed
-            pass
-
-    def get_nowait(self) -> Command:
-        """The next command: a local one first, then one from the server's pipe.
-
-        Raises:
-            queue.Empty: none is waiting.
-        """
-        try:
-            return self._local.get_nowait()
-        except queue.Empty:
-            pass
-        if self._open and self._conn.poll():
-            try:
-                return self._conn.recv()
-            except (EOFError, OSError):
-                self._open = False
-                return StopLoop()
-        raise queue.Empty
-
-    def get(self, timeout: float | None = None) -> Command:
-        """:meth:`get_nowait`, waiting up to ``timeout`` seconds for a command first.
-
-        Raises:
-            queue.Empty: none came in time.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return self.get_nowait()
-            except queue.Empty:
-                pass
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise queue.Empty
-            watched = [self._wake_r, self._conn] if self._open else [self._wake_r]
-            if self._wake_r in multiprocessing.connection.wait(watched, left):
-                # Wake-up bytes: a put() may have left some after its command was read.
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
-
-    def close(self) -> None:
-        """Close the wake-up pipe (the server's pipe is its owner's to close)."""
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if not ready.is_set():
+                logger.error("the server process is gone before the engine was ready; exiting")
+                os._exit(1)
+            commands.put(StopLoop())
+            return
+        commands.put(cmd)
 
 
 class _Emitter:
@@ -398,7 +305,7 @@ class _Emitter:
     :class:`~fastdeploy.core.outputs.EngineOutputList` (one list of field tuples in the pickle;
     the server unpickles a plain list of outputs)."""
 
-    def __init__(self, conn: Any, commands: PipeCommands | queue.SimpleQueue) -> None:
+    def __init__(self, conn: Any, commands: queue.SimpleQueue) -> None:
         self.conn = conn
         self.commands = commands
         self.closed = False

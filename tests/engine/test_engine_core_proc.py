@@ -264,9 +264,8 @@ def test_a_step_message_unpickles_as_the_same_plain_list_of_outputs():
 
 
 def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monkeypatch):
-    """End-of-file on the command pipe: once ready the loop reads StopLoop after the commands
-    sent before it (it then releases the engine); while the engine still starts, the watcher
-    keeps an early command and ends the process at once."""
+    """End-of-file on the command pipe: once ready the loop gets StopLoop (it then releases the
+    engine); while the engine still starts, the process exits at once."""
     import multiprocessing
     import queue
     import threading
@@ -285,65 +284,19 @@ def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monke
         recv, send = multiprocessing.Pipe(duplex=False)
         send.send(AbortRequest("r"))
         send.close()
-        commands = engine_core_proc.PipeCommands(recv)
+        commands = queue.SimpleQueue()
         ready = threading.Event()
         if started:
             ready.set()
         try:
-            engine_core_proc._watch_until_ready(recv, commands, ready)
+            engine_core_proc._pump(recv, commands, ready)
         except SystemExit:
             pass
-        got = []
-        while True:
-            try:
-                got.append(commands.get_nowait())
-            except queue.Empty:
-                break
+        got = [commands.get_nowait() for _ in range(commands.qsize())]
         if started:
             assert got == [AbortRequest("r"), StopLoop()] and exits == []
-        else:  # kept for the loop (which a real exit never runs)
-            assert got[0] == AbortRequest("r") and exits == [1]
-        commands.close()
-        recv.close()
-
-
-def test_pipe_commands_read_local_ones_first_and_wake_a_waiting_get():
-    """The loop's thread reads the server's commands itself; a command put by another thread
-    (PD's Wake) is read before them and ends a wait at once; an empty wait times out."""
-    import multiprocessing
-    import queue
-    import threading
-    import time
-
-    from fastdeploy.engine.engine_core_proc import PipeCommands
-    from fastdeploy.engine.engine_loop import AbortRequest, StopLoop, Wake
-
-    recv, send = multiprocessing.Pipe(duplex=False)
-    commands = PipeCommands(recv)
-    try:
-        t = time.monotonic()
-        with pytest.raises(queue.Empty):
-            commands.get(timeout=0.05)
-        assert time.monotonic() - t >= 0.04
-        send.send(AbortRequest("a"))
-        commands.put(Wake())
-        assert commands.get(timeout=1) == Wake()
-        assert commands.get(timeout=1) == AbortRequest("a")
-        threading.Timer(0.1, commands.put, (StopLoop(),)).start()
-        t = time.monotonic()
-        assert commands.get(timeout=10) == StopLoop()
-        assert time.monotonic() - t < 5
-        threading.Timer(0.1, send.send, (AbortRequest("b"),)).start()
-        assert commands.get(timeout=10) == AbortRequest("b")
-        with pytest.raises(queue.Empty):
-            commands.get_nowait()  # the wake-up byte left by put() yields nothing
-        send.close()
-        assert commands.get(timeout=1) == StopLoop()
-        with pytest.raises(queue.Empty):
-            commands.get(timeout=0.01)  # after end-of-file only local commands remain
-    finally:
-        commands.close()
-        recv.close()
+        else:
+            assert got == [AbortRequest("r")] and exits == [1]
 
 
 def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follows():
@@ -391,3 +344,39 @@ def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follow
     assert [o.request_id for o in sent[1][1]] == ["a"]
     assert sent[1][2] == {"num_running": 0, "steps": 1}
     assert sent[2][1] == {"num_running": 0, "steps": 1}
+
+
+def test_a_burst_of_large_commands_during_large_step_messages_does_not_deadlock():
+    """The server writes commands on its asyncio thread while the engine process writes step
+    messages; if the engine read its commands only between steps, both writes could wait on a
+    full pipe for good (256 requests of 1,000 tokens while 8 streams run did, in review of
+    9d3cadf). ``engine_proc_burst.py`` drives a real engine process with a stub engine; it runs
+    in a session of its own so that a hang is killed with every process it started."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here)]))
+    proc = subprocess.Popen(
+        [sys.executable, str(here / "engine_proc_burst.py"), "256", "1000", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the server and the engine process deadlocked on their pipes")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "done 256" in out
