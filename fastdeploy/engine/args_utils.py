@@ -121,6 +121,15 @@ class EngineArgs:
             "off, so the host prepares step N+1 while the device runs step N where supported)"
         ),
     )
+    scheduler_delay_factor: float = field(
+        default=0.0,
+        metadata=_cli(
+            "while requests run, admit waiting prompts only once the oldest has waited this many "
+            "times the last prompt step's duration, so that prompts arriving close together "
+            "share one prefill step (vLLM's flag; default 0: at once)",
+            float,
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=_cli("reuse KV blocks of shared prompt prefixes")
     )
@@ -358,6 +367,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             disable_overlap_schedule=self.disable_overlap_schedule,
+            scheduler_delay_factor=self.scheduler_delay_factor,
         )
         load_config = LoadConfig(load_format=self.load_format)
         cache_config = CacheConfig(

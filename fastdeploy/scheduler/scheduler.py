@@ -11,6 +11,13 @@ Each step (:meth:`Scheduler.schedule`) spends at most ``max_num_batched_tokens``
    the device), and a request that its token in flight ends by length is not scheduled.
 2. Then waiting requests, first come first served (FIFO, no overtaking), while the budget,
    ``max_num_seqs`` and free KV blocks allow; the prefix cache is looked up on admission.
+   With ``scheduler_delay_factor`` f > 0 (vLLM's ``--scheduler-delay-factor``, the same rule as
+   its V0 scheduler's), while any request runs, waiting requests are admitted only once the
+   oldest has waited f times the last prompt latency: the time from the ``schedule()`` call that
+   last admitted a prompt to the call after it, one step. Prompts that arrive a few steps apart
+   (a closed loop of clients, each sending its next request when the last one ends) then share
+   one mixed prefill step instead of paying for one each, at the price of that wait in their
+   time to first token; with nothing running they are admitted at once.
 
 Memory policy:
   * Admission: a waiting request is admitted only when the KV blocks for its scheduled tokens can
@@ -82,6 +89,8 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         kv_cache_manager: owns the KV blocks.
         max_model_len: most tokens (prompt + output) of one request.
         host_tier: the host KV tier over ``kv_cache_manager``, or None.
+        clock: seconds, the clock of ``Request.arrival_time`` (``time.monotonic``); the delay
+            factor reads it.
 
     Raises:
         ValueError: ``max_model_len < 1``; ``max_num_batched_tokens`` not a resolved integer
@@ -96,6 +105,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         host_tier: HostTier | None = None,
+        clock=time.monotonic,
     ) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(
@@ -116,6 +126,11 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             )
         self.max_num_batched_tokens = budget
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.delay_factor = float(scheduler_config.scheduler_delay_factor)
+        self.clock = clock
+        self._prev_time = 0.0  # the last schedule() call (clock seconds)
+        self._prev_prompt = False  # whether it admitted a prompt
+        self._last_prompt_latency = 0.0  # seconds from that call to the one after it
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -281,14 +296,30 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         except Exception:
             self._unreported_preempted.extend(preempted)  # report them with the next output
             raise
-        if not preempted:
-            scheduled.extend(self._admit_waiting(budget))
+        if not preempted and self._passed_delay():
+            admitted = self._admit_waiting(budget)
+            self._prev_prompt = bool(admitted)
+            scheduled.extend(admitted)
         preempted = self._unreported_preempted + preempted
         self._unreported_preempted = []
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled, preempted=preempted, finished_request_ids=finished
         )
+
+    def _passed_delay(self) -> bool:
+        """Whether waiting requests may be admitted in this call (``scheduler_delay_factor``;
+        see the module docstring). Also times the last prompt step."""
+        if self.delay_factor <= 0:
+            return True
+        now = self.clock()
+        if self._prev_prompt:
+            self._last_prompt_latency = now - self._prev_time
+        self._prev_time, self._prev_prompt = now, False
+        if not self.waiting or not self.running:
+            return True
+        oldest = self.waiting[0].arrival_time  # FIFO; preempted requests, older, go in front
+        return now - oldest >= self.delay_factor * self._last_prompt_latency
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]

@@ -229,3 +229,40 @@ def test_the_flag_turns_overlap_off_and_bad_values_are_refused():
     assert EngineArgs.from_cli_args(parser.parse_args([])).disable_overlap_schedule is False
     with pytest.raises(ValueError, match="disable_overlap_schedule='yes' is invalid"):
         SchedulerConfig(disable_overlap_schedule="yes")
+
+
+def test_a_delay_factor_holds_arrivals_while_requests_run_and_changes_no_token(tiny_dir, on):
+    """``scheduler_delay_factor`` end to end, overlap on: a prompt that arrives while another
+    request runs waits (a factor this large holds it until nothing runs), then runs to the same
+    greedy tokens as without the factor; the pool is whole afterwards."""
+    held = tiny_llm(tiny_dir, max_num_batched_tokens=48, scheduler_delay_factor=1e6)
+    assert held.engine.scheduler.delay_factor == 1e6
+    ps = prompts(n=2, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def drive(llm) -> tuple[dict[str, list[int]], int]:
+        engine = llm.engine
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        engine.add_request("a", ps[0], params)
+        for _ in range(3):
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+        engine.add_request("b", ps[1], params)
+        admitted_while_a_ran = 0
+        while engine.has_unfinished_requests():
+            a = engine.scheduler.get_request("a")
+            b = engine.scheduler.get_request("b")
+            if a is not None and a.status.name == "RUNNING" and b is not None:
+                admitted_while_a_ran += b.status.name == "RUNNING"
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+        engine.check_integrity()
+        stats = engine.get_stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return tokens, admitted_while_a_ran
+
+    got, admitted_held = drive(held)
+    want, admitted_plain = drive(on)
+    assert got == want and [len(t) for t in got.values()] == [12, 12]
+    assert admitted_plain > 0  # without the factor b joins the running batch
+    assert admitted_held == 0  # with it, b waited until a was gone
