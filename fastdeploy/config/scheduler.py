@@ -17,8 +17,9 @@ class SchedulerConfig:
     finds it supported (its plan says whether it is on, and why not).
 
     ``scheduler_delay_factor`` (vLLM's ``--scheduler-delay-factor``, same meaning): while requests
-    are running, waiting prompts are admitted only once the oldest of them has waited this many
-    times the duration of the last step that admitted prompts, so that prompts arriving a few
+    are running, waiting prompts are admitted only once the oldest of them has waited more than
+    this many times the last prompt latency (the interval from the scheduling call that admitted
+    prompts to the next call, about one step), so that prompts arriving a few
     steps apart share one mixed step instead of each paying for one. 0 (the default) admits them
     at once. It trades time to first token for fewer prefill steps: see the scheduler module.
 

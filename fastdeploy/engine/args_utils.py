@@ -124,9 +124,9 @@ class EngineArgs:
     scheduler_delay_factor: float = field(
         default=0.0,
         metadata=_cli(
-            "while requests run, admit waiting prompts only once the oldest has waited this many "
-            "times the last prompt step's duration, so that prompts arriving close together "
-            "share one prefill step (vLLM's flag; default 0: at once)",
+            "while requests run, admit waiting prompts only once the oldest has waited more "
+            "than this many times the last prompt latency (about one step), so that prompts "
+            "arriving close together share one prefill step (vLLM's flag; default 0: at once)",
             float,
         ),
     )

@@ -11,13 +11,15 @@ Each step (:meth:`Scheduler.schedule`) spends at most ``max_num_batched_tokens``
    the device), and a request that its token in flight ends by length is not scheduled.
 2. Then waiting requests, first come first served (FIFO, no overtaking), while the budget,
    ``max_num_seqs`` and free KV blocks allow; the prefix cache is looked up on admission.
-   With ``scheduler_delay_factor`` f > 0 (vLLM's ``--scheduler-delay-factor``, the same rule as
-   its V0 scheduler's), while any request runs, waiting requests are admitted only once the
-   oldest has waited f times the last prompt latency: the time from the ``schedule()`` call that
-   last admitted a prompt to the call after it, one step. Prompts that arrive a few steps apart
-   (a closed loop of clients, each sending its next request when the last one ends) then share
-   one mixed prefill step instead of paying for one each, at the price of that wait in their
-   time to first token; with nothing running they are admitted at once.
+   With ``scheduler_delay_factor`` f > 0 (vLLM's ``--scheduler-delay-factor`` and its V0
+   scheduler's rule), while any request runs, waiting requests are admitted only once the
+   oldest has waited more than f times the last prompt latency: the interval from the
+   ``schedule()`` call that last admitted a prompt to the next call (about one step; taken only
+   while a request runs, so an idle engine's wait never counts). Prompts that arrive a few
+   steps apart (a closed loop of clients, each sending its next request when the last one ends)
+   then share one mixed prefill step instead of paying for one each, at the price of that wait
+   in their time to first token; with nothing running they are admitted at once, and a PD
+   decode node's requests (no prefill here) are never held.
 
 Memory policy:
   * Admission: a waiting request is admitted only when the KV blocks for its scheduled tokens can
@@ -264,6 +266,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             InsufficientKVCacheError: the only running request cannot get a block.
             RuntimeError: a running request has no token left to compute (a missed update).
         """
+        hold = self._hold_waiting()  # times every call, preempting ones included
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -296,9 +299,9 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         except Exception:
             self._unreported_preempted.extend(preempted)  # report them with the next output
             raise
-        if not preempted and self._passed_delay():
+        if not preempted and not hold:
             admitted = self._admit_waiting(budget)
-            self._prev_prompt = bool(admitted)
+            self._prev_prompt = bool(admitted)  # a prefill runs in this step
             scheduled.extend(admitted)
         preempted = self._unreported_preempted + preempted
         self._unreported_preempted = []
@@ -307,19 +310,23 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             scheduled=scheduled, preempted=preempted, finished_request_ids=finished
         )
 
-    def _passed_delay(self) -> bool:
-        """Whether waiting requests may be admitted in this call (``scheduler_delay_factor``;
-        see the module docstring). Also times the last prompt step."""
+    def _hold_waiting(self) -> bool:
+        """Whether ``scheduler_delay_factor`` holds the waiting requests in this call (see the
+        module docstring; vLLM V0's ``_passed_delay``, negated). Also times the last prompt
+        latency: the interval from the call that admitted a prompt to this one, recorded only
+        when a request still runs (an interval that ends an idle engine's wait is no step).
+        A PD decode node's request (its prompt's KV is pulled, it runs no prefill here) is
+        never held."""
         if self.delay_factor <= 0:
-            return True
+            return False
         now = self.clock()
-        if self._prev_prompt:
+        if self._prev_prompt and self.running:
             self._last_prompt_latency = now - self._prev_time
         self._prev_time, self._prev_prompt = now, False
-        if not self.waiting or not self.running:
-            return True
+        if not self.waiting or not self.running or self.waiting[0].remote_prefill is not None:
+            return False
         oldest = self.waiting[0].arrival_time  # FIFO; preempted requests, older, go in front
-        return now - oldest >= self.delay_factor * self._last_prompt_latency
+        return not now - oldest > self.delay_factor * self._last_prompt_latency
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]

@@ -1,5 +1,9 @@
 """``scheduler_delay_factor``: waiting prompts are held while requests run, until the oldest has
-waited the factor times the last prompt step, so prompts arriving apart share one prefill step."""
+waited more than the factor times the last prompt latency, so prompts arriving apart share one
+prefill step. Times are binary fractions of a second, so every sum is exact and the tests probe
+the threshold itself (strictly more, as vLLM's rule)."""
+
+import re
 
 import pytest
 
@@ -15,7 +19,7 @@ class Clock:
     """A settable clock (seconds) for the scheduler and the requests' arrival times."""
 
     def __init__(self) -> None:
-        self.now = 100.0
+        self.now = 64.0
 
     def __call__(self) -> float:
         return self.now
@@ -28,7 +32,7 @@ def make(factor: float, clock: Clock) -> Scheduler:
     return Scheduler(config, KVCacheManager(65, 4), max_model_len=64, clock=clock)
 
 
-def add(sched: Scheduler, clock: Clock, rid: str, n: int = 8, max_tokens: int = 20) -> Request:
+def add(sched: Scheduler, clock: Clock, rid: str, n: int = 8, max_tokens: int = 40) -> Request:
     first = 100 * (ord(rid) - ord("a"))  # distinct prompts: no prefix-cache hit
     request = Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens))
     request.arrival_time = clock.now
@@ -52,11 +56,11 @@ def test_without_a_factor_every_arrival_gets_its_own_prefill_step():
     clock = Clock()
     sched = make(0.0, clock)
     add(sched, clock, "a")
-    assert step(sched, clock, 0.004) == [("a", 8)]  # the prompt step: 4 ms
+    assert step(sched, clock, 0.5) == [("a", 8)]
     add(sched, clock, "b")
-    assert step(sched, clock, 0.001) == [("a", 1), ("b", 8)]
+    assert step(sched, clock, 0.25) == [("a", 1), ("b", 8)]
     add(sched, clock, "c")
-    assert step(sched, clock, 0.001) == [("a", 1), ("b", 1), ("c", 8)]
+    assert step(sched, clock, 0.25) == [("a", 1), ("b", 1), ("c", 8)]
 
 
 def test_with_a_factor_close_arrivals_share_one_prefill_step():
@@ -64,33 +68,62 @@ def test_with_a_factor_close_arrivals_share_one_prefill_step():
     sched = make(1.0, clock)
     add(sched, clock, "a")
     # Nothing runs: admitted at once, whatever the factor.
-    assert step(sched, clock, 0.002) == [("a", 8)]
-    assert step(sched, clock, 0.001) == [("a", 1)]  # measures the prompt step: 2 ms
+    assert step(sched, clock, 0.5) == [("a", 8)]  # a prompt step of 0.5 s
     add(sched, clock, "b")
-    assert step(sched, clock, 0.001) == [("a", 1)]  # b waited 0 ms of the 2 it must
+    assert step(sched, clock, 0.25) == [("a", 1)]  # b waited 0 s of more than 0.5
     add(sched, clock, "c")
-    assert step(sched, clock, 0.001) == [("a", 1)]  # b waited 1 ms
-    # b has waited 2 ms: b and c go together, in one step.
-    assert step(sched, clock, 0.003) == [("a", 1), ("b", 8), ("c", 8)]
+    assert step(sched, clock, 0.25) == [("a", 1)]  # b waited 0.25 s
+    assert step(sched, clock, 0.25) == [("a", 1)]  # 0.5 s: not more than 0.5
+    # b has waited 0.75 s: b and c go together, in one step.
+    assert step(sched, clock, 0.25) == [("a", 1), ("b", 8), ("c", 8)]
     assert sched.num_waiting == 0
 
 
-def test_the_delay_follows_the_last_prompt_step():
+def test_the_delay_follows_the_last_prompt_latency():
     clock = Clock()
     sched = make(2.0, clock)
     add(sched, clock, "a")
-    step(sched, clock, 0.001)  # prompt step of 1 ms
-    step(sched, clock, 0.001)
+    step(sched, clock, 0.25)  # a prompt step of 0.25 s: hold for more than 0.5 s
     add(sched, clock, "b")
-    held = [step(sched, clock, 0.001) for _ in range(2)]
-    assert held == [[("a", 1)], [("a", 1)]]  # 2 x 1 ms must pass first
-    assert step(sched, clock, 0.005) == [("a", 1), ("b", 8)]  # a prompt step of 5 ms
-    step(sched, clock, 0.001)
+    held = [step(sched, clock, 0.25) for _ in range(3)]  # b waited 0, 0.25, 0.5 s
+    assert held == [[("a", 1)]] * 3
+    assert step(sched, clock, 1.0) == [("a", 1), ("b", 8)]  # a prompt step of 1 s
     add(sched, clock, "c")
-    held = [step(sched, clock, 0.001) for _ in range(10)]  # now 2 x 5 ms: calls at 0..9 ms
+    held = [step(sched, clock, 0.5) for _ in range(5)]  # now more than 2 s: 0 .. 2 s held
     assert all(len(s) == 2 for s in held)
-    clock.now += 0.0005  # 10.5 ms
-    assert step(sched, clock, 0.001)[-1] == ("c", 8)
+    assert step(sched, clock, 0.5)[-1] == ("c", 8)  # 2.5 s
+
+
+def test_an_idle_wait_is_no_prompt_latency():
+    """A request that ends in its prompt step leaves nothing running; the time until the next
+    call (an idle engine waiting for work) is not a step and must not become the delay."""
+    clock = Clock()
+    sched = make(1.0, clock)
+    add(sched, clock, "a", max_tokens=1)
+    assert step(sched, clock, 0.25) == [("a", 8)]  # a ends with its first token
+    clock.now += 512.0  # idle
+    add(sched, clock, "b")
+    assert step(sched, clock, 0.25) == [("b", 8)]  # nothing runs: at once
+    assert sched._last_prompt_latency == 0.0  # not the 512.25 s since a's prompt step
+    add(sched, clock, "c")
+    held = [step(sched, clock, 0.25) for _ in range(2)]  # b's 0.25 s; c waited 0, 0.25 s
+    assert held == [[("b", 1)]] * 2
+    assert step(sched, clock, 0.25) == [("b", 1), ("c", 8)]  # 0.5 s > 0.25 s
+
+
+def test_a_preempting_step_still_times_the_prompt_latency():
+    """The call after a prompt step measures it even when that call preempts (it admits
+    nothing then); a later call must not stretch it to two steps."""
+    clock = Clock()
+    sched = make(1.0, clock)
+    add(sched, clock, "a")
+    b = add(sched, clock, "b")
+    step(sched, clock, 0.25)  # both prompts: a 0.25 s prompt step
+    kv = sched.kv_cache_manager
+    allocate = kv.allocate_slots
+    kv.allocate_slots = lambda r, n: r is not b and allocate(r, n)  # b, the newest, preempts
+    assert step(sched, clock, 0.25) == [("a", 1)]  # b preempted; the 0.25 s interval measured
+    assert sched._last_prompt_latency == 0.25
 
 
 def test_a_preempted_request_is_not_held():
@@ -100,20 +133,31 @@ def test_a_preempted_request_is_not_held():
     sched = make(1.0, clock)
     add(sched, clock, "a")
     b = add(sched, clock, "b")
-    step(sched, clock, 0.002)  # both prompts: a 2 ms prompt step
-    clock.now += 1.0
+    step(sched, clock, 0.5)  # both prompts: a 0.5 s prompt step
+    clock.now += 64.0
     c = add(sched, clock, "c")
-    step(sched, clock, 0.001)
+    step(sched, clock, 0.25)
     sched._preempt(b)  # as _allocate_or_preempt would on a full pool
     assert list(sched.waiting) == [b, c]
-    # c has waited 1 ms of the 2 ms, but b (arrived 1 s ago) heads the queue: both go.
-    assert [rid for rid, _ in step(sched, clock, 0.001)] == ["a", "b", "c"]
+    # c has waited 0.25 s of more than 0.5, but b (arrived 64 s ago) heads the queue: both go.
+    assert [rid for rid, _ in step(sched, clock, 0.25)] == ["a", "b", "c"]
     assert b.status == RequestStatus.RUNNING
+
+
+def test_a_pd_decode_nodes_request_is_not_held():
+    """A request whose prompt's KV is pulled from a prefill node runs no prefill here."""
+    clock = Clock()
+    sched = make(1.0, clock)
+    add(sched, clock, "a")
+    step(sched, clock, 0.5)
+    b = add(sched, clock, "b")
+    b.remote_prefill = {"remote_host": "127.0.0.1"}
+    assert not sched._hold_waiting()
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True, "1"])
 def test_a_bad_factor_is_refused_with_its_value(bad):
-    match = r"scheduler_delay_factor=.* is invalid; allowed: a finite"
+    match = re.escape(f"scheduler_delay_factor={bad!r} is invalid; allowed: a finite number >= 0")
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(scheduler_delay_factor=bad)
 
