@@ -19,9 +19,9 @@ class SchedulerConfig:
     ``scheduler_delay_factor`` (vLLM's ``--scheduler-delay-factor``, same meaning): while requests
     are running, waiting prompts are admitted only once the oldest of them has waited more than
     this many times the last prompt latency (the interval from the scheduling call that admitted
-    prompts to the next call, about one step), so that prompts arriving a few
-    steps apart share one mixed step instead of each paying for one. 0 (the default) admits them
-    at once. It trades time to first token for fewer prefill steps: see the scheduler module.
+    prompts to the next call, about one step), so that prompts arriving a few steps apart share
+    one mixed step instead of each paying for one. 0 (the default) admits them at once. It
+    trades time to first token for fewer prefill steps: see the scheduler module.
 
     ``None`` is resolved by ``EngineArgs.create_engine_config``: with chunked prefill to
     ``max(2048, max_num_seqs)``; without it to ``max(max_model_len, 2048, max_num_seqs)`` (a whole
