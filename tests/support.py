@@ -1,5 +1,5 @@
-"""Small helpers several CPU test modules share: loading a benchmark script as a module, and
-recording which requests an engine's scheduler preempts."""
+"""Small helpers several CPU test modules share: loading a benchmark script as a module,
+recording which requests an engine's scheduler preempts, and a clock a test sets by hand."""
 
 from __future__ import annotations
 
@@ -37,3 +37,14 @@ def record_preemptions(engine) -> list[str]:
 
     engine.scheduler.schedule = schedule
     return preempted
+
+
+class ManualClock:
+    """A clock (seconds) that moves only when a test sets ``now``; pass it where code takes a
+    ``clock=`` callable (``time.monotonic`` by default)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

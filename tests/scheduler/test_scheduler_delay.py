@@ -6,6 +6,7 @@ the threshold itself (strictly more, as vLLM's rule)."""
 import re
 
 import pytest
+from support import ManualClock
 
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig
@@ -15,24 +16,16 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.scheduler.scheduler import Scheduler
 
 
-class Clock:
-    """A settable clock (seconds) for the scheduler and the requests' arrival times."""
-
-    def __init__(self) -> None:
-        self.now = 64.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(factor: float, clock: Clock) -> Scheduler:
+def make(factor: float, clock: ManualClock) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=64, scheduler_delay_factor=factor
     )
     return Scheduler(config, KVCacheManager(65, 4), max_model_len=64, clock=clock)
 
 
-def add(sched: Scheduler, clock: Clock, rid: str, n: int = 8, max_tokens: int = 40) -> Request:
+def add(
+    sched: Scheduler, clock: ManualClock, rid: str, n: int = 8, max_tokens: int = 40
+) -> Request:
     first = 100 * (ord(rid) - ord("a"))  # distinct prompts: no prefix-cache hit
     request = Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens))
     request.arrival_time = clock.now
@@ -40,7 +33,7 @@ def add(sched: Scheduler, clock: Clock, rid: str, n: int = 8, max_tokens: int = 
     return request
 
 
-def step(sched: Scheduler, clock: Clock, seconds: float) -> list[tuple[str, int]]:
+def step(sched: Scheduler, clock: ManualClock, seconds: float) -> list[tuple[str, int]]:
     """Schedule, then let ``seconds`` pass (the step's duration) and apply its tokens."""
     out = sched.schedule()
     clock.now += seconds
@@ -53,7 +46,7 @@ def step(sched: Scheduler, clock: Clock, seconds: float) -> list[tuple[str, int]
 
 
 def test_without_a_factor_every_arrival_gets_its_own_prefill_step():
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(0.0, clock)
     add(sched, clock, "a")
     assert step(sched, clock, 0.5) == [("a", 8)]
@@ -64,7 +57,7 @@ def test_without_a_factor_every_arrival_gets_its_own_prefill_step():
 
 
 def test_with_a_factor_close_arrivals_share_one_prefill_step():
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(1.0, clock)
     add(sched, clock, "a")
     # Nothing runs: admitted at once, whatever the factor.
@@ -80,7 +73,7 @@ def test_with_a_factor_close_arrivals_share_one_prefill_step():
 
 
 def test_the_delay_follows_the_last_prompt_latency():
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(2.0, clock)
     add(sched, clock, "a")
     step(sched, clock, 0.25)  # a prompt step of 0.25 s: hold for more than 0.5 s
@@ -97,7 +90,7 @@ def test_the_delay_follows_the_last_prompt_latency():
 def test_an_idle_wait_is_no_prompt_latency():
     """A request that ends in its prompt step leaves nothing running; the time until the next
     call (an idle engine waiting for work) is not a step and must not become the delay."""
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(1.0, clock)
     add(sched, clock, "a", max_tokens=1)
     assert step(sched, clock, 0.25) == [("a", 8)]  # a ends with its first token
@@ -114,7 +107,7 @@ def test_an_idle_wait_is_no_prompt_latency():
 def test_a_preempting_step_still_times_the_prompt_latency():
     """The call after a prompt step measures it even when that call preempts (it admits
     nothing then); a later call must not stretch it to two steps."""
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(1.0, clock)
     add(sched, clock, "a")
     b = add(sched, clock, "b")
@@ -129,7 +122,7 @@ def test_a_preempting_step_still_times_the_prompt_latency():
 def test_a_preempted_request_is_not_held():
     """A request preempted by recompute goes back to the front of the queue; its arrival is
     long past, so the delay never holds it."""
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(1.0, clock)
     add(sched, clock, "a")
     b = add(sched, clock, "b")
@@ -146,7 +139,7 @@ def test_a_preempted_request_is_not_held():
 
 def test_a_pd_decode_nodes_request_is_not_held():
     """A request whose prompt's KV is pulled from a prefill node runs no prefill here."""
-    clock = Clock()
+    clock = ManualClock(64.0)
     sched = make(1.0, clock)
     add(sched, clock, "a")
     step(sched, clock, 0.5)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from support import ManualClock
 
 from fastdeploy.splitwise.prefill_control import PrefillControl
 from fastdeploy.splitwise.protocol import RemotePrefill, kv_layout
@@ -19,20 +20,12 @@ from fastdeploy.splitwise.tcp_transport import TcpKVTransport
 SHAPE = (10, 2, 4, 2, 8)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def pair():
     g = torch.Generator().manual_seed(0)
     src = [torch.randn(SHAPE, generator=g) for _ in range(2)]
     dst = [torch.zeros(SHAPE) for _ in range(2)]
-    clock = Clock()
+    clock = ManualClock()
     control = PrefillControl(lease_s=30, transfer_s=10, clock=clock)
     side = SideChannelServer("127.0.0.1", 0, control.handle).start()
     prefill, decode = TcpKVTransport(), TcpKVTransport()
