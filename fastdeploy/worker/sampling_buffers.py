@@ -13,6 +13,14 @@ CUDA graph; a step whose rows are the previous step's slots (a steady decode bat
 flags that changed and reuses the gathered temperature, top-p and top-k. Nothing here waits for
 the device.
 
+Rows that need nothing on the device skip it. A step whose rows are all greedy, with no
+``logit_bias``, penalties or ``min_tokens``, samples the argmax of its logits, which reads no slot
+parameter: its rows are not gathered, and the parameters of the slots it takes are written on
+the first later step that gathers (a non-greedy row or logits processing), since a slot's
+parameters are those of its request for its life. Measured on an H200 host (SmolLM2-135M, 64
+greedy streams served): ``prepare`` took 0.54 ms a step that admits requests (two device copies,
+four scatters and fills, three gathers) and 0.13 ms a decode step whose rows changed.
+
 Slots: ``max_num_seqs``. A request holds one from its first sampled token while it runs or waits
 preempted; the scheduler admits no new request while a preempted one waits (preempted requests
 go to the front of its FIFO queue), so running plus preempted requests never exceed
@@ -54,16 +62,17 @@ class _Rows:
 
     Attributes:
         rows: the slot of each row; their device copy is ``SamplingBuffers._rows[:len(rows)]``.
-        temperature / top_p / top_k: the slots' parameters gathered in row order, ``[N]``.
+        temperature / top_p / top_k: the slots' parameters gathered in row order, ``[N]``; None
+            where no row needs them (all greedy, no logits processing: nothing was gathered).
         generators: the slots' seeded generators (None: the engine's).
         all_greedy / max_num_logprobs / any_bias / any_penalties / any_min_tokens: facts of the
             rows' sampling parameters, which a request keeps for its life.
     """
 
     rows: list[int]
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
+    temperature: torch.Tensor | None
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_num_logprobs: int | None
@@ -109,6 +118,9 @@ class SamplingBuffers:
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
         self._slot_of: dict[str, int] = {}
+        # Slots taken whose parameters are not on the device yet: slot -> its request (written
+        # by the first step that gathers; see the module docstring).
+        self._unwritten: dict[int, Request] = {}
         self._free = list(range(n - 1, -1, -1))
         self._generators: list[torch.Generator | None] = [None] * n
         # The previous step's rows and min_tokens flags as on the device (see prepare); None
@@ -130,6 +142,7 @@ class SamplingBuffers:
         slot = self._slot_of.pop(request_id, None)
         if slot is not None:
             self._generators[slot] = None
+            self._unwritten.pop(slot, None)
             self._free.append(slot)
             self._last_rows = None
 
@@ -147,7 +160,8 @@ class SamplingBuffers:
         A step whose rows hold the same slots as the previous step's, none newly taken (a
         steady decode batch), reuses that step's row -> slot indices on the device and its
         gathered temperature, top-p and top-k (slot parameters change only when a slot is
-        taken); the ``min_tokens`` flags are copied only when they changed.
+        taken); the ``min_tokens`` flags are copied only when they changed. A step of greedy
+        rows without logits processing does no device work (module docstring).
 
         Args:
             reqs: the requests that sample this step, aligned with the logits rows.
@@ -174,10 +188,10 @@ class SamplingBuffers:
                 len(r.output_token_ids) + r.num_output_placeholders < r.sampling_params.min_tokens
                 for r in reqs
             ]
-        if new:
-            self._write_slots(new, vocab_size)
+        for r, slot in new:
+            self._unwritten[slot] = r
         if not same_rows:
-            state = self._last_rows = self._gather_rows(reqs, rows, active)
+            state = self._last_rows = self._gather_rows(reqs, rows, active, vocab_size)
         elif active != self._last_active:
             self._upload(None, active)
         self._last_active = active
@@ -201,18 +215,20 @@ class SamplingBuffers:
             self.output_counts.index_put_((slots, token_ids), ones, accumulate=True)
 
     # ------------------------------------------------------------------ internals
-    def _gather_rows(self, reqs: list[Request], rows: list[int], active: list[bool]) -> _Rows:
-        """Copy the row -> slot indices ``rows`` and the ``min_tokens`` flags ``active`` to the
-        device and gather the slots' parameters (see :class:`_Rows`)."""
-        self._upload(rows, active)
-        slots = self._rows[: len(rows)]
+    def _gather_rows(
+        self, reqs: list[Request], rows: list[int], active: list[bool], vocab_size: int
+    ) -> _Rows:
+        """The facts of the rows' parameters (see :class:`_Rows`) and, unless every row is
+        greedy without logits processing, the device work: write the slots not written yet,
+        copy the row -> slot indices ``rows`` and the ``min_tokens`` flags ``active`` to the
+        device and gather the slots' parameters."""
         params = [r.sampling_params for r in reqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return _Rows(
+        state = _Rows(
             rows=rows,
-            temperature=self.temperature.index_select(0, slots),
-            top_p=self.top_p.index_select(0, slots),
-            top_k=self.top_k.index_select(0, slots),
+            temperature=None,
+            top_p=None,
+            top_k=None,
             generators=[self._generators[s] for s in rows],
             all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max(logprobs) if logprobs else None,
@@ -220,6 +236,19 @@ class SamplingBuffers:
             any_penalties=any(p.has_penalties for p in params),
             any_min_tokens=any(p.min_tokens for p in params),
         )
+        if state.all_greedy and not (state.any_bias or state.any_penalties or state.any_min_tokens):
+            if self.output_counts is not None:  # record() counts the tokens by slot
+                self._upload(rows, active)
+            return state
+        if self._unwritten:
+            self._write_slots([(r, slot) for slot, r in self._unwritten.items()], vocab_size)
+            self._unwritten.clear()
+        self._upload(rows, active)
+        slots = self._rows[: len(rows)]
+        state.temperature = self.temperature.index_select(0, slots)
+        state.top_p = self.top_p.index_select(0, slots)
+        state.top_k = self.top_k.index_select(0, slots)
+        return state
 
     def _upload(self, rows: list[int] | None, active: list[bool]) -> None:
         """Copy ``rows`` (unless None) and ``active`` to the device through a pinned set, without

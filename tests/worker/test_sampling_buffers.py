@@ -87,3 +87,46 @@ def test_logit_bias_rows_are_written_and_cleared():
     m = buf.prepare([a, b], V)
     bias = torch.zeros(2, V).scatter_add(1, m.processing.bias_ids, m.processing.bias_values)
     assert bias[0, 3] == 5 and bias[0, 7] == -100 and bias[1].abs().sum() == 0
+
+
+def test_greedy_rows_defer_their_slot_writes_until_a_step_gathers():
+    buf = SamplingBuffers(3, CPU, seed=0)
+    g = request("g", temperature=0, top_p=0.5, top_k=3)  # greedy: top-p/top-k unread
+    m = buf.prepare([g], V)
+    assert m.all_greedy and m.temperature is None and m.processing is None
+    slot = buf.slot_of("g")
+    assert buf.top_k[slot].item() == 0  # not written yet: nothing read it
+    s = request("s", temperature=0.7, top_k=5)
+    m = buf.prepare([s, g], V)  # a row that samples: every slot is written, then gathered
+    assert m.top_k.tolist() == [5, 3] and m.temperature.tolist()[1] == 0.0
+    assert abs(m.top_p[1].item() - 0.5) < 1e-6
+
+
+def test_a_deferred_slot_given_back_is_written_for_its_next_request():
+    buf = SamplingBuffers(2, CPU, seed=0)
+    biased = request("b", temperature=0.5, logit_bias={4: 3.0})
+    buf.prepare([biased], V)
+    slot = buf.slot_of("b")
+    buf.free("b")
+    g = request("g", temperature=0, top_k=9)
+    buf.prepare([g], V)  # takes the biased request's slot, written later
+    assert buf.slot_of("g") == slot
+    buf.free("g")  # given back before any write
+    s = request("s", temperature=0.9, top_k=2)
+    other = request("o", logit_bias={1: 1.0})
+    m = buf.prepare([s, other], V)
+    assert buf.slot_of("s") == slot and m.top_k.tolist() == [2, 0]
+    bias = torch.zeros(2, V).scatter_add(1, m.processing.bias_ids, m.processing.bias_values)
+    assert bias[0].abs().sum() == 0 and bias[1, 1] == 1  # the old bias row was cleared
+
+
+def test_a_greedy_step_still_counts_its_tokens_in_its_own_slots():
+    buf = SamplingBuffers(3, CPU, seed=0)
+    p = request("p", temperature=0, frequency_penalty=1.0)
+    buf.prepare([p], V)
+    buf.record([p], torch.tensor([9]))
+    g = request("g", temperature=0)
+    buf.prepare([g], V)  # p is absent (preempted); g's row is the only one
+    buf.record([g], torch.tensor([9]))
+    assert buf.output_counts[buf.slot_of("p"), 9].item() == 1  # g's token is not p's
+    assert buf.output_counts[buf.slot_of("g"), 9].item() == 1

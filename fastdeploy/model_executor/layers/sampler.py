@@ -19,7 +19,8 @@ class SamplingMetadata:
     """Per-row sampling settings for one step, rows aligned with the logits.
 
     Attributes:
-        temperature: float32 ``[N]``; 0 marks a greedy row.
+        temperature: float32 ``[N]``; 0 marks a greedy row. None (with ``top_p`` and ``top_k``)
+            only when ``all_greedy``: the greedy path reads none of the three.
         top_p: float32 ``[N]`` in (0, 1].
         top_k: int64 ``[N]``; 0 disables top-k for that row.
         generators: per row, the request's own ``torch.Generator`` (a seeded request: its draws
@@ -32,9 +33,9 @@ class SamplingMetadata:
             ``None`` when no row uses any of them.
     """
 
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
+    temperature: torch.Tensor | None
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
     generators: list[torch.Generator | None]
     generator: torch.Generator | None
     all_greedy: bool
