@@ -206,9 +206,10 @@ FD_FLASHINFER_DIRECT_PLAN = EnvVar(
     "bool",
     parse_bool,
     True,
-    "Plan prefill and mixed steps without flashinfer's Python plan() where the wrapper is the one "
-    "this was written for (flashinfer 0.5.3, fa2 backend): the step's attributes are set and the "
-    "compiled scheduler is called directly, with the arrays moved in one packed copy "
+    "Plan prefill and mixed steps, and CUDA-graph decode steps on the CUDA-core kernel, without "
+    "flashinfer's Python plan() where the wrapper is the one this was written for (flashinfer "
+    "0.5.3; prefill: fa2 backend): the step's attributes are set and the compiled scheduler is "
+    "called directly, with the arrays moved in one packed copy "
     "(fastdeploy/model_executor/layers/attention/flashinfer_plan.py). 0: every plan through "
     "plan(). Read when the backend is built.",
 )

@@ -394,9 +394,13 @@ def test_decode_graph_replans_only_when_pages_change(shape):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
-    plans = []
+    calls = []
     real_plan = meta.wrapper.plan
-    meta.wrapper.plan = lambda *a, **kw: (plans.append(1), real_plan(*a, **kw))[1]
+    meta.wrapper.plan = lambda *a, **kw: (calls.append(1), real_plan(*a, **kw))[1]
+    planner = backend._graph_planner
+
+    def plans() -> int:  # through plan(), or without it (GraphDecodePlanner)
+        return len(calls) + (planner.direct_plans if planner is not None else 0)
 
     # Lengths 13, 20, 40 after the first step: the next steps fill their pages until the
     # first request's 17th token opens one (step 4).
@@ -410,7 +414,7 @@ def test_decode_graph_replans_only_when_pages_change(shape):
         k_buf.copy_(step.k)
         v_buf.copy_(step.v)
         backend.plan_graph_decode(meta, step.batch, bucket)
-        counts.append(len(plans))
+        counts.append(plans())
         graph.replay()
         got = out_buf[:n].clone()
         assert max_diff(got, reference_attention(step, cache, shape)) < TOL, i
@@ -427,14 +431,78 @@ def test_decode_graph_replans_only_when_pages_change(shape):
     other_slots = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
     other_step = build_step(cache, [3, 4], [1, 1], shape, pool, slot_buf=other_slots)
     backend.plan_graph_decode(other, other_step.batch, 2)
-    before = len(plans)
+    before = plans()
     q_buf.copy_(step.q)
     k_buf.copy_(step.k)
     v_buf.copy_(step.v)
     backend.plan_graph_decode(meta, step.batch, bucket)
-    assert len(plans) == before + 1
+    assert plans() == before + 1
     graph.replay()
     assert max_diff(out_buf[:n], reference_attention(step, cache, shape)) < TOL
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_direct_graph_decode_plan_equals_flashinfers_plan(shape, monkeypatch):
+    """Decode graphs re-planned without flashinfer's Python plan() (GraphDecodePlanner, the
+    CUDA-core kernel) get the schedule, the int workspace and the fixed buffers plan() leaves,
+    and replay to the same output, bit for bit; the capture's plan goes through plan()."""
+    torch.manual_seed(6)
+    hq, hkv, d = shape
+    bucket = 8
+    direct = make_backend(shape)
+    monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", "0")
+    planned = make_backend(shape)
+    if direct.use_tensor_cores:  # the tensor-core decode path always plans through plan()
+        assert direct._graph_planner is None
+        return
+    assert direct._graph_planner is not None and planned._graph_planner is None
+    cache = new_cache(direct)
+    pool = block_pool(6)
+    slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
+    bufs = [torch.zeros(bucket, w * d, dtype=DTYPE, device=DEVICE) for w in (hq, hkv, hkv)]
+    graphs = []
+    dummy = build_step(  # with its host block table, as the engine captures
+        cache, [1] * bucket, [1] * bucket, shape, pool, slot_buf=slot_buf, host_table=True
+    )
+    for backend in (direct, planned):
+        meta = backend.make_graph_decode_metadata(bucket)
+        backend.plan_graph_decode(meta, dummy.batch, bucket)
+        out = torch.zeros(bucket, hq * d, dtype=DTYPE, device=DEVICE)
+        backend.forward(*bufs, cache, meta, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.forward(*bufs, cache, meta, out=out)
+        graphs.append((backend, meta, graph, out))
+    lengths = ([3, 16, 40, 77, 130], [2, 9, 17, 64, 65, 200, 31, 300], [1], [400, 4, 250])
+    for i, cached in enumerate(lengths):
+        n = len(cached)
+        step = build_step(
+            cache, cached, [1] * n, shape, pool, pad_rows=bucket - n, slot_buf=slot_buf
+        )
+        step.batch.block_tables_host = step.batch.block_tables.cpu().numpy()
+        for buf, src in zip(bufs, (step.q, step.k, step.v)):
+            buf.copy_(src)
+        outs = []
+        for backend, meta, graph, out in graphs:
+            backend.plan_graph_decode(meta, step.batch, bucket)
+            graph.replay()
+            outs.append(out[:n].clone())
+        torch.cuda.synchronize()
+        (a, ma, _, _), (b, mb, _, _) = graphs
+        assert ma.wrapper._plan_info == mb.wrapper._plan_info, i
+        assert torch.equal(a._int_workspace, b._int_workspace), i
+        pages = ma.wrapper._paged_kv_indptr_buf[-1].item()
+        assert pages == mb.wrapper._paged_kv_indptr_buf[-1].item()
+        for name in ("_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf"):
+            assert torch.equal(getattr(ma.wrapper, name), getattr(mb.wrapper, name)), (i, name)
+        assert torch.equal(
+            ma.wrapper._paged_kv_indices_buf[:pages], mb.wrapper._paged_kv_indices_buf[:pages]
+        )
+        assert torch.equal(outs[0], outs[1]), f"step {i}: {max_diff(outs[0], outs[1])}"
+        assert max_diff(outs[0], reference_attention(step, cache, shape)) < TOL
+        assert_cache_clean(cache)
+    assert direct._graph_planner.direct_plans == len(lengths)
 
 
 # ---------------------------------------------------------------- one step over many layers

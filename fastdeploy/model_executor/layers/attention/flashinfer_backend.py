@@ -41,7 +41,10 @@ from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # no
     float_workspace_bytes,
     paged_kv_layout,
 )
-from fastdeploy.model_executor.layers.attention.flashinfer_plan import PrefillPlanner
+from fastdeploy.model_executor.layers.attention.flashinfer_plan import (
+    GraphDecodePlanner,
+    PrefillPlanner,
+)
 from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
     PlanStaging,
     host_page_ids,
@@ -180,15 +183,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         # Fixed addresses read by captured decode graphs. All buckets share them: a replay always
         # follows the plan of its own bucket, which rewrites them.
-        self._graph_kv_indptr = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=dev)
-        self._graph_kv_indices = torch.zeros(max_num_blocks, dtype=torch.int32, device=dev)
-        self._graph_kv_last_page_len = torch.ones(max_num_reqs, dtype=torch.int32, device=dev)
+        # Packed in one buffer (PlanStaging.graph_decode_size) so a direct plan fills all three
+        # with one copy.
+        r = max_num_reqs
+        self._graph_fixed = torch.zeros(
+            PlanStaging.graph_decode_size(r, max_num_blocks), dtype=torch.int32, device=dev
+        )
+        self._graph_kv_indptr = self._graph_fixed[: r + 1]
+        self._graph_kv_last_page_len = self._graph_fixed[r + 1 : 2 * r + 1]
+        self._graph_kv_last_page_len.fill_(1)
+        self._graph_kv_indices = self._graph_fixed[2 * r + 1 :]
         self._plan_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see _plan
         self._staging = PlanStaging(max_num_reqs, max_num_blocks, dev)
         # Prefill plans without flashinfer's Python plan() where that is safe (flashinfer_plan).
         self._prefill_planner = (
             PrefillPlanner(self.prefill_wrapper, getattr(flashinfer, "__version__", ""))
             if envs.FD_FLASHINFER_DIRECT_PLAN()
+            else None
+        )
+        # Graph decode plans without flashinfer's Python plan() where that is safe.
+        self._graph_planner = (
+            GraphDecodePlanner(getattr(flashinfer, "__version__", ""))
+            if envs.FD_FLASHINFER_DIRECT_PLAN() and not self.use_tensor_cores
             else None
         )
         # (wrapper, kv_indptr bytes, page id bytes) of the last graph decode plan; see
@@ -224,7 +240,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             try:
                 self._plan(
                     wrapper, arrays, batch.num_tokens, batch.max_query_len, batch.max_seq_len,
-                    *shape, planner=self._prefill_planner, **static,
+                    *shape, plan_fn=self._prefill_planner.plan, **static,
                 )  # fmt: skip
             finally:  # the packed copy is queued even when the plan fails
                 self._staging.queued()
@@ -294,7 +310,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         same ``kv_indptr`` and page ids (the same requests on the same pages, as for most steps
         of a steady batch), flashinfer's ``plan()`` is skipped and only ``kv_last_page_len`` is
         copied: that path's schedule is computed from ``kv_indptr`` alone. The tensor-core path
-        schedules by token counts and plans every step.
+        schedules by token counts and plans every step. A CUDA-core plan after the bucket's
+        first is made without flashinfer's Python ``plan`` where that is safe
+        (:class:`~fastdeploy.model_executor.layers.attention.flashinfer_plan.GraphDecodePlanner`,
+        ``FD_FLASHINFER_DIRECT_PLAN``), its arrays moved with one copy.
 
         Args:
             graph_metadata: from :meth:`make_graph_decode_metadata` for ``batch_size``.
@@ -352,8 +371,19 @@ class FlashInferAttentionBackend(AttentionBackend):
                 return md
         # Forgotten first: flashinfer's plan writes the shared buffers before it can fail.
         self._graph_plan_key = None
-        layout, indices = self._staging.stage(layout, batch, page_ids)
-        self._plan_decode(md.wrapper, layout, indices)
+        arrays = None
+        if self._graph_planner is not None:
+            arrays = self._staging.stage_graph_decode(layout, page_ids, self._graph_fixed)
+        if arrays is not None:
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+            self._plan(
+                md.wrapper, md.wrapper, arrays, *shape,
+                plan_fn=self._graph_planner.plan, q_data_type=self.dtype,
+                kv_data_type=self.dtype, sm_scale=self.scale,
+            )  # fmt: skip
+        else:
+            layout, indices = self._staging.stage(layout, batch, page_ids)
+            self._plan_decode(md.wrapper, layout, indices)
         self._staging.queued()
         self._graph_plan_key = key
         return md
@@ -366,9 +396,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def _plan(
-        self, wrapper: Any, *args: Any, planner: PrefillPlanner | None = None, **kwargs: Any
+        self, wrapper: Any, *args: Any, plan_fn: Callable[..., None] | None = None, **kwargs: Any
     ) -> None:
-        """``wrapper.plan(...)`` (``planner.plan(...)`` when given), first waiting until this
+        """``wrapper.plan(...)`` (``plan_fn(...)`` when given), first waiting until this
         wrapper's previous plan has been copied to the device: plan() writes its schedule into a
         pinned host buffer of the wrapper and copies it asynchronously, so re-planning before
         that copy ran would corrupt it. In the engine a step's sampled tokens are synchronised,
@@ -379,7 +409,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             done = self._plan_events[wrapper] = torch.cuda.Event()
         else:
             done.synchronize()
-        (planner or wrapper).plan(*args, **kwargs)
+        (plan_fn or wrapper.plan)(*args, **kwargs)
         record_event(done)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

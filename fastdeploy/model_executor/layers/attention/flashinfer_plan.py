@@ -1,4 +1,4 @@
-"""A prefill step's flashinfer plan without flashinfer's Python ``plan``.
+"""Prefill and CUDA-graph decode plans of flashinfer without its Python ``plan``.
 
 ``BatchPrefillWithPagedKVCacheWrapper.plan`` (flashinfer 0.5.3) spends most of its host time
 outside the compiled scheduler it calls: it moves the host arrays to the CPU (a no-op here), takes
@@ -31,7 +31,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastdeploy.model_executor.layers.attention.flashinfer_staging import PrefillArrays
+import torch
+
+from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
+    GraphDecodeArrays,
+    PrefillArrays,
+)
 
 #: flashinfer versions whose ``BatchPrefillWithPagedKVCacheWrapper.plan`` the direct plan mirrors.
 DIRECT_VERSIONS = ("0.5.3",)
@@ -138,3 +143,114 @@ class PrefillPlanner:
             0,  # num_colocated_ctas
         )  # fmt: skip
         self.direct_plans += 1
+
+
+#: Wrapper attributes the direct graph decode plan reads or sets (flashinfer 0.5.3
+#: ``BatchDecodeWithPagedKVCacheWrapper``); a wrapper lacking one plans through ``plan``.
+_DECODE_ATTRIBUTES = (
+    "_backend", "_jit_module", "_cached_module", "_float_workspace_buffer",
+    "_int_workspace_buffer", "_pin_memory_int_workspace_buffer", "_fixed_batch_size",
+    "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf",
+    "_plan_info", "_batch_size",
+)  # fmt: skip
+
+
+def direct_decode_plan_supported(wrapper: Any, version: str) -> bool:
+    """Whether :class:`GraphDecodePlanner` may plan the CUDA-graph decode ``wrapper`` without
+    ``plan``, judged after a first ``plan`` on it: flashinfer 0.5.3, CUDA-graph mode, the
+    CUDA-core kernel (not tensor cores, not trtllm-gen) and no JIT variant."""
+    return (
+        version in DIRECT_VERSIONS
+        and all(hasattr(wrapper, name) for name in _DECODE_ATTRIBUTES)
+        and wrapper.is_cuda_graph_enabled
+        and not wrapper.use_tensor_cores
+        and wrapper._backend != "trtllm-gen"
+        and wrapper._jit_module is None
+        and callable(getattr(wrapper._cached_module, "plan", None))
+    )
+
+
+class GraphDecodePlanner:
+    """Plans the CUDA-graph decode wrappers of the CUDA-core decode kernel without flashinfer's
+    Python ``plan``.
+
+    For such a wrapper, flashinfer 0.5.3's ``BatchDecodeWithPagedKVCacheWrapper.plan`` checks
+    dtypes, copies ``kv_indptr``, ``kv_last_page_len`` and the page ids into the wrapper's fixed
+    buffers (three copies), derives every request's KV length on the host (which this kernel's
+    scheduler does not read), canonicalises the dtypes and then calls the compiled scheduler
+    with the host ``kv_indptr``. The backend already has the three arrays packed in one pinned
+    buffer and moves them to the fixed buffers with one copy
+    (:meth:`~fastdeploy.model_executor.layers.attention.flashinfer_staging.PlanStaging.stage_graph_decode`),
+    so a direct plan only calls the compiled scheduler with the arguments ``plan`` passes and
+    stores its result as ``plan`` does. The first plan of each wrapper (before its capture) goes
+    through ``plan``; so does every plan of a wrapper that
+    :func:`direct_decode_plan_supported` refuses, or with another shape than the first. A GPU
+    test compares the schedule both paths leave in the int workspace and the attention output
+    (``tests/gpu/test_attention_gpu.py``).
+
+    Args:
+        version: flashinfer's ``__version__``.
+    """
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self._direct: dict[int, tuple] = {}  # id(wrapper) -> the first plan's shape and dtypes
+        self._empty: dict[torch.dtype, torch.Tensor] = {}
+        self.direct_plans = 0  # plans made without ``plan`` (for tests and diagnosis)
+
+    def plan(
+        self,
+        wrapper: Any,
+        arrays: GraphDecodeArrays,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        q_data_type: torch.dtype,
+        kv_data_type: torch.dtype,
+        sm_scale: float,
+    ) -> None:
+        """Plan ``wrapper`` for one step whose arrays are staged (and their copy to the fixed
+        buffers queued) in ``arrays``.
+
+        Raises:
+            whatever flashinfer's ``plan`` or its compiled scheduler raises.
+        """
+        key = (num_heads, num_kv_heads, head_dim, page_size, q_data_type, kv_data_type, sm_scale)
+        w = wrapper
+        if self._direct.get(id(w)) != key:
+            self._direct.pop(id(w), None)
+            # The fixed buffers already hold the arrays (queued copy); plan() copies them again
+            # from the pinned host views, which is the same data.
+            w.plan(
+                arrays.kv_indptr, arrays.page_ids, arrays.last_page_len, num_heads,
+                num_kv_heads, head_dim, page_size, q_data_type=q_data_type,
+                kv_data_type=kv_data_type, sm_scale=sm_scale,
+            )  # fmt: skip
+            if direct_decode_plan_supported(w, self.version):
+                self._direct[id(w)] = key
+            return
+        batch_size = arrays.last_page_len.shape[0]
+        if batch_size != w._fixed_batch_size:
+            raise ValueError(
+                f"a graph decode wrapper of batch {w._fixed_batch_size} planned for {batch_size}"
+            )
+        w._batch_size = batch_size
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer,
+            w._pin_memory_int_workspace_buffer, arrays.kv_indptr, batch_size, num_heads,
+            num_kv_heads, page_size,
+            True,  # CUDA-graph mode
+            -1,  # window_left
+            0.0,  # logits_soft_cap
+            head_dim, head_dim, self._empty_of(q_data_type), self._empty_of(kv_data_type),
+        )  # fmt: skip
+        self.direct_plans += 1
+
+    def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
+        """The empty CPU tensor ``plan`` passes to name a dtype (made once per dtype)."""
+        empty = self._empty.get(dtype)
+        if empty is None:
+            empty = self._empty[dtype] = torch.empty(0, dtype=dtype)
+        return empty

@@ -19,6 +19,9 @@ without flashinfer's Python ``plan`` takes its arrays from :meth:`PlanStaging.st
 ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and the page ids packed back to back in one
 pinned int32 buffer and moved with one copy into a device buffer the backend keeps (flashinfer's
 ``plan`` makes three copies into new device tensors, and the backend a fourth for the page ids).
+A CUDA-graph decode plan made without ``plan`` likewise takes ``kv_indptr``, ``kv_last_page_len``
+and the page ids from :meth:`PlanStaging.stage_graph_decode`: one copy into the decode graphs'
+fixed buffers, which the backend keeps in one device buffer laid out the same way.
 """
 
 from __future__ import annotations
@@ -76,6 +79,22 @@ class PrefillArrays:
 MAX_CACHED_VIEWS = 512
 
 
+@dataclass
+class GraphDecodeArrays:
+    """One CUDA-graph decode plan's host arrays from :meth:`PlanStaging.stage_graph_decode`
+    (``B`` requests of the bucket, padding included, ``P`` pages), int32 pinned CPU tensors
+    whose copy to the graphs' fixed buffers is already queued.
+
+    Attributes:
+        kv_indptr / last_page_len / page_ids: ``[B + 1]`` cumulative page counts, ``[B]``
+            tokens in each request's last page, ``[P]`` block id of every page.
+    """
+
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    page_ids: torch.Tensor
+
+
 class PlanStaging:
     """Pinned sets for the plans of one backend.
 
@@ -87,6 +106,8 @@ class PlanStaging:
 
     def __init__(self, max_num_reqs: int, max_num_blocks: int, device: torch.device) -> None:
         self.device = device
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks = max_num_blocks
         self._sets = StagingSets(
             {
                 "qo_indptr": ((max_num_reqs + 1,), torch.int32),
@@ -112,7 +133,8 @@ class PlanStaging:
     @staticmethod
     def _packed_size(max_num_reqs: int, max_num_blocks: int) -> int:
         """int32 elements of a packed prefill set: ``qo_indptr``, ``kv_indptr`` (``R + 1`` each),
-        ``kv_last_page_len`` (``R``), page ids (``P``)."""
+        ``kv_last_page_len`` (``R``), page ids (``P``); a graph decode plan uses the same buffer
+        (:meth:`graph_decode_size`, which is smaller)."""
         return 3 * max_num_reqs + 2 + max_num_blocks
 
     def stage_prefill(
@@ -179,6 +201,53 @@ class PlanStaging:
             views = (packed.numpy(), packed, dev, arrays)
             remember(self._view_cache, key, views, MAX_CACHED_VIEWS)
         return views
+
+    @staticmethod
+    def graph_decode_size(max_num_reqs: int, max_num_blocks: int) -> int:
+        """int32 elements of the decode graphs' fixed buffers packed in one device buffer:
+        ``kv_indptr`` at 0 (``R + 1``), ``kv_last_page_len`` at ``R + 1`` (``R``), the page ids
+        at ``2R + 1`` (``max_num_blocks``); see :meth:`stage_graph_decode`."""
+        return 2 * max_num_reqs + 1 + max_num_blocks
+
+    def stage_graph_decode(
+        self, layout: PagedKVLayout, page_ids: np.ndarray | None, fixed: torch.Tensor
+    ) -> GraphDecodeArrays | None:
+        """Write a graph decode plan's ``kv_indptr``, ``kv_last_page_len`` and page ids into the
+        next pinned set, laid out as the decode graphs' fixed buffers are in ``fixed``
+        (:meth:`graph_decode_size`), and queue one non-blocking copy of the used range into
+        ``fixed``; returns the pinned host arrays (:class:`GraphDecodeArrays`). None where
+        nothing is pinned (CPU), the batch has no host page ids or the layout does not fit (the
+        caller then uses :meth:`stage`). Call :meth:`queued` once the plan is done.
+
+        The range between a bucket's arrays (up to ``max_num_reqs`` requests) is copied too:
+        a replay reads only its own bucket's part of each fixed buffer, rewritten by its plan."""
+        self._current = None
+        if self._packed_dev is None or page_ids is None:
+            return None
+        r = self.max_num_reqs
+        b = layout.kv_last_page_len.numel()
+        p = len(page_ids)
+        if b > r or p > self.max_num_blocks or layout.kv_indptr.numel() != b + 1:
+            return None
+        staged = self._current = self._sets.next()
+        key = (id(staged), id(fixed), b, p)
+        views = self._view_cache.get(key)
+        if views is None:
+            used = 2 * r + 1 + p
+            packed = staged["packed"][:used]
+            arrays = GraphDecodeArrays(
+                kv_indptr=packed[: b + 1],
+                last_page_len=packed[r + 1 : r + 1 + b],
+                page_ids=packed[2 * r + 1 :],
+            )
+            views = (packed.numpy(), packed, fixed[:used], arrays)
+            remember(self._view_cache, key, views, MAX_CACHED_VIEWS)
+        host, src, dst, arrays = views
+        host[: b + 1] = layout.kv_indptr.numpy()
+        host[r + 1 : r + 1 + b] = layout.kv_last_page_len.numpy()
+        host[2 * r + 1 :] = page_ids
+        dst.copy_(src, non_blocking=True)
+        return arrays
 
     def stage(
         self, layout: PagedKVLayout, batch: AttentionBatch, page_ids: np.ndarray | None
