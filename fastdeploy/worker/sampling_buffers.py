@@ -188,8 +188,6 @@ class SamplingBuffers:
                 len(r.output_token_ids) + r.num_output_placeholders < r.sampling_params.min_tokens
                 for r in reqs
             ]
-        for r, slot in new:
-            self._unwritten[slot] = r
         if not same_rows:
             state = self._last_rows = self._gather_rows(reqs, rows, active, vocab_size)
         elif active != self._last_active:
@@ -287,7 +285,8 @@ class SamplingBuffers:
 
     def _take_slot(self, request: Request) -> int:
         """Assign a free slot to ``request`` (host bookkeeping and its seeded generator; the
-        parameters are written by :meth:`_write_slots`)."""
+        parameters are written by :meth:`_write_slots` on the first step that gathers, also
+        when a later request of the same step found no free slot)."""
         if not self._free:
             raise RuntimeError(
                 f"no sampling slot is free for request {request.request_id!r}: all "
@@ -295,6 +294,7 @@ class SamplingBuffers:
             )
         slot = self._free.pop()
         self._slot_of[request.request_id] = slot
+        self._unwritten[slot] = request  # written by the first step that gathers
         seed = request.sampling_params.seed
         if seed is not None:
             gen = torch.Generator(device=self.device)

@@ -203,7 +203,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         # Graph decode plans without flashinfer's Python plan() where that is safe.
         self._graph_planner = (
-            GraphDecodePlanner(getattr(flashinfer, "__version__", ""))
+            GraphDecodePlanner(getattr(flashinfer, "__version__", ""), dev)
             if envs.FD_FLASHINFER_DIRECT_PLAN() and not self.use_tensor_cores
             else None
         )
@@ -376,15 +376,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             arrays = self._staging.stage_graph_decode(layout, page_ids, self._graph_fixed)
         if arrays is not None:
             shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-            self._plan(
-                md.wrapper, md.wrapper, arrays, *shape,
-                plan_fn=self._graph_planner.plan, q_data_type=self.dtype,
-                kv_data_type=self.dtype, sm_scale=self.scale,
-            )  # fmt: skip
+            try:
+                self._plan(
+                    md.wrapper, md.wrapper, arrays, *shape,
+                    plan_fn=self._graph_planner.plan, q_data_type=self.dtype,
+                    kv_data_type=self.dtype, sm_scale=self.scale,
+                )  # fmt: skip
+            finally:  # the packed copy is queued even when the plan fails
+                self._staging.queued()
         else:
             layout, indices = self._staging.stage(layout, batch, page_ids)
             self._plan_decode(md.wrapper, layout, indices)
-        self._staging.queued()
+            self._staging.queued()
         self._graph_plan_key = key
         return md
 

@@ -29,6 +29,7 @@ output of both paths (``tests/gpu/test_attention_gpu.py``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -190,11 +191,15 @@ class GraphDecodePlanner:
 
     Args:
         version: flashinfer's ``__version__``.
+        device: the wrappers' CUDA device.
     """
 
-    def __init__(self, version: str) -> None:
+    def __init__(self, version: str, device: torch.device) -> None:
         self.version = version
-        self._direct: dict[int, tuple] = {}  # id(wrapper) -> the first plan's shape and dtypes
+        self.device = device
+        # wrapper -> the shape and dtypes of its first plan (weak: a wrapper made later at a
+        # recycled address must plan through plan() first).
+        self._direct: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self.direct_plans = 0  # plans made without ``plan`` (for tests and diagnosis)
 
@@ -219,17 +224,19 @@ class GraphDecodePlanner:
         """
         key = (num_heads, num_kv_heads, head_dim, page_size, q_data_type, kv_data_type, sm_scale)
         w = wrapper
-        if self._direct.get(id(w)) != key:
-            self._direct.pop(id(w), None)
-            # The fixed buffers already hold the arrays (queued copy); plan() copies them again
-            # from the pinned host views, which is the same data.
+        if self._direct.get(w) != key:
+            self._direct.pop(w, None)
+            # The fixed buffers already hold the arrays (queued copy); plan() copies them again,
+            # the same data. The page ids go on the device: plan() copies host indices into its
+            # buffer with a blocking copy, which would wait for the step the GPU is running.
+            page_ids = arrays.page_ids.to(self.device, non_blocking=True)
             w.plan(
-                arrays.kv_indptr, arrays.page_ids, arrays.last_page_len, num_heads,
+                arrays.kv_indptr, page_ids, arrays.last_page_len, num_heads,
                 num_kv_heads, head_dim, page_size, q_data_type=q_data_type,
                 kv_data_type=kv_data_type, sm_scale=sm_scale,
             )  # fmt: skip
             if direct_decode_plan_supported(w, self.version):
-                self._direct[id(w)] = key
+                self._direct[w] = key
             return
         batch_size = arrays.last_page_len.shape[0]
         if batch_size != w._fixed_batch_size:
