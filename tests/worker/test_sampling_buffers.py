@@ -130,3 +130,15 @@ def test_a_greedy_step_still_counts_its_tokens_in_its_own_slots():
     buf.record([g], torch.tensor([9]))
     assert buf.output_counts[buf.slot_of("p"), 9].item() == 1  # g's token is not p's
     assert buf.output_counts[buf.slot_of("g"), 9].item() == 1
+
+
+def test_slots_taken_before_a_step_ran_out_are_still_written():
+    buf = SamplingBuffers(2, CPU, seed=0)
+    buf.prepare([request("x", temperature=0.9, top_k=7)], V)
+    buf.free("x")
+    s = request("s", temperature=0.5, top_k=2)
+    with pytest.raises(RuntimeError, match="no sampling slot is free for request 'u'"):
+        buf.prepare([s, request("t"), request("u")], V)  # s and t got slots, u none
+    buf.free("t")
+    m = buf.prepare([s], V)
+    assert m.top_k.tolist() == [2] and m.temperature.tolist() == [0.5]  # not x's leftovers
