@@ -1,0 +1,159 @@
+"""Per-step timing of the engine, for diagnosis: where a step's host time goes, served or offline.
+
+Put this directory on ``PYTHONPATH`` and set ``STEP_TRACE`` to a path prefix; every Python process
+started that way (the API server, and the engine process it spawns, which inherits both; or an
+offline benchmark) times each ``LLMEngine.step`` and the parts listed in :data:`PARTS`, and writes
+one JSON line per step to ``<prefix>.<pid>.jsonl`` (every 500 steps and at exit)::
+
+    STEP_TRACE=/tmp/tr PYTHONPATH=benchmarks/step_trace python benchmarks/benchmark_throughput.py
+    python benchmarks/step_trace_report.py /tmp/tr.*.jsonl
+
+A record holds ``t0`` and ``dt`` (the step's start and duration, ``time.perf_counter`` seconds),
+the step's graph ``mode``, scheduled requests ``nreq`` and tokens ``ntok``, outputs ``nout``, and
+for each part that ran in the step its total seconds and its call count (``n_<part>``); ``emit``
+is the engine process's send of the step message (served only), which follows the step.
+
+It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
+whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
+about a microsecond a call; compare traced runs with traced runs. Another ``sitecustomize`` later
+on the path is shadowed by this one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import sys
+import time
+
+#: label -> (module, class, method) timed inside a step.
+PARTS = {
+    "schedule": ("fastdeploy.scheduler.scheduler", "Scheduler", "schedule"),
+    "launch": ("fastdeploy.worker.gpu_model_runner", "GPUModelRunner", "execute_model_async"),
+    "prepare": ("fastdeploy.worker.input_batch", "InputBuffers", "prepare"),
+    "replay_full": (
+        "fastdeploy.model_executor.graph_optimization.graph_runner",
+        "CudaGraphRunner",
+        "replay_full",
+    ),
+    "replay_pw": (
+        "fastdeploy.model_executor.graph_optimization.graph_runner",
+        "CudaGraphRunner",
+        "replay_piecewise",
+    ),
+    "plan_gd": (
+        "fastdeploy.model_executor.layers.attention.flashinfer_backend",
+        "FlashInferAttentionBackend",
+        "plan_graph_decode",
+    ),
+    "plan": (
+        "fastdeploy.model_executor.layers.attention.flashinfer_backend",
+        "FlashInferAttentionBackend",
+        "_plan",
+    ),
+    "plan_dec_direct": (
+        "fastdeploy.model_executor.layers.attention.flashinfer_plan",
+        "GraphDecodePlanner",
+        "plan",
+    ),
+    "build_md": (
+        "fastdeploy.model_executor.layers.attention.flashinfer_backend",
+        "FlashInferAttentionBackend",
+        "build_metadata",
+    ),
+    "samp_prep": ("fastdeploy.worker.sampling_buffers", "SamplingBuffers", "prepare"),
+    "sampler": ("fastdeploy.model_executor.layers.sampler", "Sampler", "__call__"),
+    "logits": ("fastdeploy.model_executor.models.llama", "DecoderForCausalLM", "compute_logits"),
+    "out_stage": ("fastdeploy.worker.async_output", "OutputStager", "stage"),
+    "result": ("fastdeploy.worker.async_output", "PendingOutput", "result"),
+}
+#: Steps buffered before a write.
+FLUSH_EVERY = 500
+
+_prefix = os.environ.get("STEP_TRACE")
+_current: dict = {}
+_records: list[dict] = []
+_clock = time.perf_counter
+
+
+def _flush() -> None:
+    if _records:
+        with open(f"{_prefix}.{os.getpid()}.jsonl", "a") as out:
+            out.writelines(json.dumps(r) + "\n" for r in _records)
+        _records.clear()
+
+
+def _wrap(label: str, module: str, cls_name: str, method: str) -> None:
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+        inner = getattr(cls, method)
+    except (ImportError, AttributeError) as e:  # a part the code no longer has
+        print(f"step trace: {label} skipped ({e})", file=sys.stderr)
+        return
+
+    def timed(*args, **kwargs):
+        start = _clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _current[label] = _current.get(label, 0.0) + _clock() - start
+            _current["n_" + label] = _current.get("n_" + label, 0) + 1
+
+    timed.__wrapped__ = inner
+    setattr(cls, method, timed)
+
+
+def _install() -> None:
+    from fastdeploy.engine import engine as engine_module
+    from fastdeploy.worker import gpu_model_runner
+
+    for label, (module, cls_name, method) in PARTS.items():
+        _wrap(label, module, cls_name, method)
+
+    runner = gpu_model_runner.GPUModelRunner
+    forward = runner.forward
+
+    def traced_forward(self, sched, *args, **kwargs):
+        out = forward(self, sched, *args, **kwargs)
+        _current.update(mode=out[2], nreq=len(sched.scheduled), ntok=sched.num_batched_tokens)
+        return out
+
+    runner.forward = traced_forward
+    llm_engine = engine_module.LLMEngine
+    step = llm_engine.step
+
+    def traced_step(self):
+        _current.clear()
+        start = _clock()
+        outputs = step(self)
+        _current.update(t0=start, dt=_clock() - start, nout=len(outputs))
+        _records.append(dict(_current))
+        if len(_records) >= FLUSH_EVERY:
+            _flush()
+        return outputs
+
+    llm_engine.step = traced_step
+    from fastdeploy.engine import engine_core_proc
+
+    emitter = engine_core_proc._Emitter
+    call = emitter.__call__
+
+    def traced_call(self, kind, *args):
+        start = _clock()
+        try:
+            return call(self, kind, *args)
+        finally:
+            if kind == "step" and _records:
+                _records[-1]["emit"] = _clock() - start
+
+    emitter.__call__ = traced_call
+    atexit.register(_flush)
+
+
+if _prefix:
+    try:
+        _install()
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the process it watches
+        print(f"step trace: not installed ({e!r})", file=sys.stderr)

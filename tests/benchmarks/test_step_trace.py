@@ -1,0 +1,73 @@
+"""benchmarks/step_trace: the traced offline benchmark writes one record per engine step with its
+parts, and step_trace_report.py turns records into per-mode tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support import load_benchmark_module
+from tiny_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_an_offline_run_on_cpu_writes_a_record_per_step(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_llama()))
+    prefix = tmp_path / "trace"
+    env = {
+        **os.environ,
+        "STEP_TRACE": str(prefix),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "step_trace"), str(ROOT)]),
+    }
+    args = [
+        sys.executable, str(ROOT / "benchmarks" / "benchmark_throughput.py"), "--model",
+        str(model), "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init",
+        "--max-model-len", "512", "--num-prompts", "4", "--input-len", "16", "--output-len", "5",
+        "--range-ratio", "0",
+    ]  # fmt: skip
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step trace:" not in done.stderr  # every CPU-side part was found and wrapped
+    (trace,) = tmp_path.glob("trace.*.jsonl")
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    # One output per request and token, of the warm-up (the same 4 prompts) and the timed run.
+    assert sum(r["nout"] for r in records) == 2 * 4 * 5
+    stepped = [r for r in records if "mode" in r]
+    assert stepped and {r["mode"] for r in stepped} == {"eager"}  # CPU: no graphs
+    for r in stepped:
+        assert r["n_schedule"] == 1 and r["n_launch"] == 1 and r["n_prepare"] == 1
+        assert 0 < r["prepare"] < r["launch"] < r["dt"]
+    assert sum(r["ntok"] for r in stepped) == 2 * (4 * 16 + 4 * 4)  # prompts, 4 decode tokens
+    report = load_benchmark_module("step_trace_report")
+    table = report.report(trace)
+    assert f"{len(stepped)} steps" in table and "| eager | " in table
+
+
+def test_the_report_splits_decode_steps_by_whether_they_re_planned(tmp_path, capsys):
+    report = load_benchmark_module("step_trace_report")
+
+    def step(t0, mode, dt, **parts):
+        return {"t0": t0, "dt": dt, "mode": mode, "nreq": 4, "ntok": 4, "nout": 4, **parts}
+
+    records = [
+        step(10.0, "piecewise", 0.003, prepare=0.001, n_plan=1, plan=0.0002),
+        step(10.01, "full", 0.002, prepare=0.0005, n_plan=1, plan=0.0001),  # re-planned
+        step(10.02, "full", 0.001, prepare=0.0005),  # kept its plan
+        step(10.03, "full", 0.001, prepare=0.0005, n_plan_dec_direct=1, plan_dec_direct=0.00005),
+    ]
+    path = tmp_path / "t.1.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in reversed(records)))  # any order
+    report.main([str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: 4 steps over 0.03 s, 0.01 s in steps")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[3:]}
+    assert rows["full"][1] == "3" and rows["full, re-planned"][1] == "2"
+    assert rows["full, plan kept"][1] == "1" and rows["full, plan kept"][5] == "1.000"
+    assert rows["piecewise"][5] == "3.000"
+    assert report.report(path, skip_s=0.015).startswith(f"{path}: 2 steps")
