@@ -5,8 +5,8 @@ re-planned their graph's attention cost over those that kept their plan::
     python benchmarks/step_trace_report.py /tmp/tr.*.jsonl [--skip-s 0]
 
 ``--skip-s`` drops the steps of the first seconds of each trace (a server's warm-up requests and
-the clients' start). Times are host time: a part that waits for the device (``result``) includes
-the wait.
+the clients' start); a trace holds every step of its process, warm-up included. Times are host
+time: a part that waits for the device (``result``) includes the wait.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 #: Parts in the order printed (those absent from a trace are left out).
@@ -26,8 +27,21 @@ PARTS = (
 
 def load(path: Path, skip_s: float = 0.0) -> list[dict]:
     """The step records of one trace file, in time order, without those of the first
-    ``skip_s`` seconds and without steps that ran no forward (no ``mode``)."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ``skip_s`` seconds and without steps that ran no forward (no ``mode``). A line that is not
+    a record (the last one of a trace whose process was killed mid-write) is skipped with a
+    line on stderr naming it.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            print(f"{path}:{number}: skipped, not a step record ({e})", file=sys.stderr)
     records.sort(key=lambda r: r["t0"])
     if records:
         start = records[0]["t0"] + skip_s
@@ -45,8 +59,11 @@ def replanned(record: dict) -> bool:
 
 
 def report(path: Path, skip_s: float = 0.0) -> str:
-    """The tables of one trace file, as text."""
-    records = load(path, skip_s)
+    """The tables of one trace file, as text (one line when it cannot be read)."""
+    try:
+        records = load(path, skip_s)
+    except OSError as e:
+        return f"{path}: cannot read ({e.strerror or e})"
     if not records:
         return f"{path}: no steps"
     end = records[-1]["t0"] + records[-1]["dt"]
@@ -86,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("traces", nargs="+", type=Path, help="<prefix>.<pid>.jsonl files")
     parser.add_argument("--skip-s", type=float, default=0.0, help="drop the first seconds")
     args = parser.parse_args(argv)
+    if args.skip_s < 0:
+        parser.error(f"--skip-s must be >= 0, got {args.skip_s}")
     print("\n\n".join(report(p, args.skip_s) for p in args.traces))
 
 

@@ -16,7 +16,15 @@ is the engine process's send of the step message (served only), which follows th
 It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
 whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
 about a microsecond a call; compare traced runs with traced runs. Another ``sitecustomize`` later
-on the path is shadowed by this one.
+on the path is shadowed by this one. Every Python process started with the variable and the path
+imports the engine (and torch) at start, so set them for the traced command only; give the path
+as an absolute one where the command may run from another directory.
+
+The trace holds every step the process ran, warm-up included: ``benchmark_throughput.py``'s
+warm-up ``generate()`` of 4 prompts, a serving benchmark's warm-up requests (``--skip-s`` of the
+report drops the first seconds). A prefix without a file name (``/tmp/dir/``) or in a directory
+that cannot be written is refused at start, with a line on stderr; a write that fails later stops
+the trace, never the traced process.
 """
 
 from __future__ import annotations
@@ -78,11 +86,22 @@ _records: list[dict] = []
 _clock = time.perf_counter
 
 
+def _path() -> str:
+    return f"{_prefix}.{os.getpid()}.jsonl"
+
+
 def _flush() -> None:
-    if _records:
-        with open(f"{_prefix}.{os.getpid()}.jsonl", "a") as out:
-            out.writelines(json.dumps(r) + "\n" for r in _records)
-        _records.clear()
+    """Append the buffered records; a failed write is reported once and ends the trace, never
+    the traced process (the engine calls this inside its step)."""
+    global _prefix
+    if _records and _prefix:
+        try:
+            with open(_path(), "a") as out:
+                out.writelines(json.dumps(r) + "\n" for r in _records)
+        except OSError as e:
+            print(f"step trace: stopped, cannot write {_path()} ({e})", file=sys.stderr)
+            _prefix = None
+    _records.clear()
 
 
 def _wrap(label: str, module: str, cls_name: str, method: str) -> None:
@@ -128,10 +147,11 @@ def _install() -> None:
         _current.clear()
         start = _clock()
         outputs = step(self)
-        _current.update(t0=start, dt=_clock() - start, nout=len(outputs))
-        _records.append(dict(_current))
-        if len(_records) >= FLUSH_EVERY:
-            _flush()
+        if _prefix:
+            _current.update(t0=start, dt=_clock() - start, nout=len(outputs))
+            _records.append(dict(_current))
+            if len(_records) >= FLUSH_EVERY:
+                _flush()
         return outputs
 
     llm_engine.step = traced_step
@@ -154,6 +174,13 @@ def _install() -> None:
 
 if _prefix:
     try:
+        # Fail here, not inside a step, when the file cannot be written (it is created only when
+        # steps come: the server's process writes none, its engine process does).
+        folder = os.path.dirname(_prefix) or "."
+        if not (os.path.basename(_prefix) and os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise OSError(
+                f"STEP_TRACE={_prefix!r}: need a file name prefix in a writable directory"
+            )
         _install()
     except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the process it watches
-        print(f"step trace: not installed ({e!r})", file=sys.stderr)
+        print(f"step trace: not installed ({e})", file=sys.stderr)

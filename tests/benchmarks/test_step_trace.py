@@ -49,6 +49,58 @@ def test_an_offline_run_on_cpu_writes_a_record_per_step(tmp_path):
     assert f"{len(stepped)} steps" in table and "| eager | " in table
 
 
+def run_traced(tmp_path, prefix: str, script: str) -> subprocess.CompletedProcess:
+    model = tmp_path / "tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(tiny_llama()))
+    env = {
+        **os.environ,
+        "STEP_TRACE": prefix,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "step_trace"), str(ROOT)]),
+    }
+    code = (
+        "import sitecustomize as trace\n"
+        "from fastdeploy.entrypoints.llm import LLM\n"
+        "from fastdeploy.core.sampling_params import SamplingParams\n"
+        f"llm = LLM(model={str(model)!r}, load_format='dummy', device='cpu', "
+        "skip_tokenizer_init=True, max_model_len=512)\n"
+        f"{script}\n"
+        "outs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, "
+        "ignore_eos=True), use_tqdm=False)\n"
+        "print('tokens', len(outs[0].outputs[0].token_ids))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_trace_that_cannot_be_written_never_stops_the_traced_process(tmp_path):
+    # Refused at start: a prefix that names a directory, or a directory that does not exist.
+    for prefix in (f"{tmp_path}/", f"{tmp_path}/missing/tr"):
+        done = run_traced(tmp_path, prefix, "")
+        assert done.returncode == 0 and "tokens 6" in done.stdout, done.stderr[-2000:]
+        assert "step trace: not installed" in done.stderr and "writable directory" in done.stderr
+    # A write that fails after the start (the directory is gone) stops the trace, not the run.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = f"import shutil; shutil.rmtree({str(gone)!r}); trace.FLUSH_EVERY = 1"
+    done = run_traced(tmp_path, f"{gone}/tr", script)
+    assert done.returncode == 0 and "tokens 6" in done.stdout, done.stderr[-2000:]
+    assert done.stderr.count("step trace: stopped, cannot write") == 1
+
+
+def test_the_report_skips_a_torn_line_and_reports_unreadable_files(tmp_path, capsys):
+    report = load_benchmark_module("step_trace_report")
+    good = {"t0": 1.0, "dt": 0.002, "mode": "full", "nreq": 2, "ntok": 2, "nout": 2}
+    torn = tmp_path / "t.2.jsonl"
+    torn.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20])  # killed mid-write
+    report.main([str(torn), str(tmp_path / "missing.jsonl")])
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{torn}: 1 steps")
+    assert f"{tmp_path / 'missing.jsonl'}: cannot read" in captured.out
+    assert f"{torn}:2: skipped, not a step record" in captured.err
+
+
 def test_the_report_splits_decode_steps_by_whether_they_re_planned(tmp_path, capsys):
     report = load_benchmark_module("step_trace_report")
 
