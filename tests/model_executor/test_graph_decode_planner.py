@@ -2,7 +2,7 @@
 CUDA-graph decode wrapper: where the staged arrays land in the graphs' fixed buffers, which plans
 go through the wrapper's plan() and what a direct plan passes to the compiled scheduler. That the
 direct plan equals flashinfer's own (schedule, fixed buffers, output) is checked on a GPU
-(tests/gpu/test_attention_gpu.py::test_direct_graph_decode_plan_equals_flashinfers_plan)."""
+(tests/gpu/test_graph_decode_gpu.py::test_direct_graph_decode_plan_equals_flashinfers_plan)."""
 
 import gc
 

@@ -1,6 +1,7 @@
 """Host-side pieces of the flashinfer backend that need no GPU: the float workspace size every
-plan fits in, and a batch's pages in flashinfer's CSR form (``kv_indptr``, ``kv_indices``,
-``kv_last_page_len``) built from host lengths. Kept apart from
+plan fits in, a step's attention metadata (:class:`FlashInferMetadata`), and a batch's pages in
+flashinfer's CSR form (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) built from host
+lengths. Kept apart from
 :mod:`~fastdeploy.model_executor.layers.attention.flashinfer_backend` (which re-exports them) so
 that file holds the backend itself."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +71,24 @@ def float_workspace_bytes(
         tiles = max(ctas_per_kv_head, -(-batch * group // tile_q) + batch - 1)
         need = max(need, num_heads * tiles * tile_q * (head_dim + 1) * 4)
     return max(WORKSPACE_BYTES, need + WORKSPACE_MARGIN_BYTES)
+
+
+@dataclass
+class FlashInferMetadata:
+    """One step's attention metadata (or a decode bucket's, for a CUDA graph).
+
+    Attributes:
+        wrapper: the planned flashinfer wrapper (None for a step without requests).
+        num_tokens: rows of ``q`` the wrapper runs on (the first ones); rows past it are padding.
+            For graph decode metadata it is the bucket size (padding requests are planned empty).
+        slot_mapping: int64 ``[>= T]`` device slots of the step's tokens (-1: write nothing).
+        graph_batch_size: the bucket size when bound to a decode CUDA graph, else 0.
+    """
+
+    wrapper: Any
+    num_tokens: int
+    slot_mapping: torch.Tensor | None
+    graph_batch_size: int = 0
 
 
 #: Batches of at most this many requests are laid out with Python lists (:func:`_small_layout`):

@@ -187,7 +187,7 @@ class GraphDecodePlanner:
     through ``plan``; so does every plan of a wrapper that
     :func:`direct_decode_plan_supported` refuses, or with another shape than the first. A GPU
     test compares the schedule both paths leave in the int workspace and the attention output
-    (``tests/gpu/test_attention_gpu.py``).
+    (``tests/gpu/test_graph_decode_gpu.py``).
 
     Args:
         version: flashinfer's ``__version__``.
