@@ -1,149 +1,41 @@
-"""GPU tests of the flashinfer backend and the Triton KV write (marker ``gpu``).
+"""GPU tests of the flashinfer backend and the Triton KV write (marker ``gpu``); the decode CUDA
+graphs' tests are in ``test_graph_decode_gpu.py``, what both share in ``attention_steps.py``.
 
 Run on a CUDA host (flashinfer-python installed): ``python3 -m pytest -q -m gpu tests/gpu``.
 The first run JIT-compiles flashinfer's kernels (about a minute per head size).
 
-Reference: a plain torch paged attention written here (gather each request's pages from the cache,
-then float32 ``scaled_dot_product_attention`` with the causal mask aligned to the end of the
-sequence). Tolerance: bf16 outputs within max abs diff ``TOL = 2e-2`` of the float32 reference
-(and of each other, for graph replay against eager: their split-KV schedules differ).
+Reference: a plain torch paged attention (``attention_steps.reference_attention``). Tolerance: bf16
+outputs within max abs diff ``TOL = 2e-2`` of the float32 reference.
 """
-
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_steps import (
+    BLOCK,
+    DEVICE,
+    DTYPE,
+    NUM_BLOCKS,
+    POISON,
+    SENTINEL,
+    SHAPES,
+    TOL,
+    assert_cache_clean,
+    block_pool,
+    build_step,
+    make_backend,
+    max_diff,
+    new_cache,
+    reference_attention,
+)
 
 from custom_ops.kv_cache_ops import write_kv_cache_torch, write_kv_cache_triton
-from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
-from fastdeploy.model_executor.layers.attention.flashinfer_backend import (
-    FlashInferAttentionBackend,
-    paged_kv_layout,
-)
+from fastdeploy.model_executor.layers.attention.flashinfer_backend import paged_kv_layout
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
 
+
 pytestmark = pytest.mark.gpu
-
-DEVICE = torch.device("cuda")
-DTYPE = torch.bfloat16
-BLOCK, NUM_BLOCKS, TABLE_WIDTH = 16, 128, 32
-TOL = 2e-2
-SENTINEL, POISON = 512.0, -384.0  # exact in bf16; POISON marks padding rows' K/V
-# (num_heads, num_kv_heads, head_dim): SmolLM2-135M (GQA 3, CUDA-core decode), a GQA-8 shape and
-# Llama-3-8B's GQA 4 (both tensor-core decode).
-SHAPES = [(9, 3, 64), (16, 2, 128), (32, 8, 128)]
-
-
-@dataclass
-class Step:
-    """One step's inputs and what the reference needs: each request's blocks and lengths."""
-
-    batch: AttentionBatch
-    q: torch.Tensor  # [T, Hq*D]
-    k: torch.Tensor  # [T, Hkv*D]
-    v: torch.Tensor
-    blocks: list[list[int]]
-    query_lens: list[int]
-    seq_lens: list[int]
-
-
-def build_step(
-    cache, cached_lens, new_lens, shape, pool, pad_rows=0, slot_buf=None, host_table=False
-) -> Step:
-    """Write random cached prefixes into ``cache`` (torch reference) and return the step that
-    adds ``new_lens`` tokens; blocks are taken from ``pool`` (a list, consumed). ``host_table``
-    also gives the batch its host block table, as the engine does."""
-    hq, hkv, d = shape
-    blocks, slots, tables = [], [], torch.zeros(len(new_lens), TABLE_WIDTH, dtype=torch.int32)
-    for i, (c, n) in enumerate(zip(cached_lens, new_lens)):
-        req_blocks = [pool.pop() for _ in range(-(-(c + n) // BLOCK))]
-        blocks.append(req_blocks)
-        tables[i, : len(req_blocks)] = torch.tensor(req_blocks)
-        pos = torch.arange(c + n)
-        req_slots = torch.tensor(req_blocks)[pos // BLOCK] * BLOCK + pos % BLOCK
-        if c:
-            kv = torch.randn(2, c, hkv, d, device=DEVICE).to(DTYPE)
-            write_kv_cache_torch(kv[0], kv[1], cache, req_slots[:c].to(DEVICE))
-        slots.append(req_slots[c:])
-    num_tokens = sum(new_lens)
-    rows = num_tokens + pad_rows
-    slot_mapping = torch.cat([*slots, torch.full((pad_rows,), -1)]).to(DEVICE)
-    if slot_buf is not None:
-        slot_buf.copy_(slot_mapping)
-        slot_mapping = slot_buf
-    q = torch.randn(rows, hq * d, device=DEVICE).to(DTYPE)
-    k = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
-    v = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
-    k[num_tokens:] = POISON
-    v[num_tokens:] = POISON
-    seq_lens = [c + n for c, n in zip(cached_lens, new_lens)]
-    cu = torch.zeros(len(new_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(new_lens).cumsum(0)
-    batch = AttentionBatch(
-        num_reqs=len(new_lens),
-        num_tokens=num_tokens,
-        query_start_loc=cu.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE),
-        slot_mapping=slot_mapping,
-        max_query_len=max(new_lens),
-        max_seq_len=max(seq_lens),
-        is_decode_only=all(n == 1 for n in new_lens),
-        query_lens_host=list(new_lens),
-        seq_lens_host=seq_lens,
-        block_tables_host=tables.numpy() if host_table else None,
-    )
-    return Step(batch, q, k, v, blocks, list(new_lens), seq_lens)
-
-
-def reference_attention(step: Step, cache: torch.Tensor, shape) -> torch.Tensor:
-    """float32 ``[num_tokens, Hq*D]``: pages gathered from ``cache``, causal SDPA per request."""
-    hq, hkv, d = shape
-    q = step.q.float().view(-1, hq, d)
-    outs, start = [], 0
-    for blocks, qlen, slen in zip(step.blocks, step.query_lens, step.seq_lens):
-        pages = cache[torch.tensor(blocks, device=DEVICE)].float()  # [P, 2, BLOCK, hkv, d]
-        k = pages[:, 0].reshape(-1, hkv, d)[:slen].transpose(0, 1)[None]
-        v = pages[:, 1].reshape(-1, hkv, d)[:slen].transpose(0, 1)[None]
-        qi = q[start : start + qlen].transpose(0, 1)[None]
-        mask = torch.ones(qlen, slen, dtype=torch.bool, device=DEVICE).tril(slen - qlen)
-        o = F.scaled_dot_product_attention(
-            qi, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=hq != hkv
-        )
-        outs.append(o[0].transpose(0, 1).reshape(qlen, hq * d))
-        start += qlen
-    return torch.cat(outs)
-
-
-def new_cache(backend) -> torch.Tensor:
-    cache = torch.zeros(backend.kv_cache_shape(NUM_BLOCKS), dtype=DTYPE, device=DEVICE)
-    cache[0] = SENTINEL  # block 0 is never handed out: nothing may write it
-    return cache
-
-
-def block_pool(seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randperm(NUM_BLOCKS - 1, generator=g) + 1).tolist()
-
-
-def make_backend(shape) -> FlashInferAttentionBackend:
-    pytest.importorskip("flashinfer")
-    hq, hkv, d = shape
-    return FlashInferAttentionBackend(
-        hq, hkv, d, BLOCK, DTYPE, DEVICE, max_num_reqs=16, max_num_blocks=16 * TABLE_WIDTH
-    )
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def assert_cache_clean(cache: torch.Tensor) -> None:
-    assert (cache[0] == SENTINEL).all(), "a write reached the untargeted sentinel block"
-    assert not (cache == POISON).any(), "a padding row (slot -1) wrote into the cache"
 
 
 # ---------------------------------------------------------------- KV write
@@ -276,245 +168,6 @@ def test_decode_matches_reference(shape):
     out = backend.forward(step.q, step.k, step.v, cache, md)
     assert max_diff(out, reference_attention(step, cache, shape)) < TOL
     assert_cache_clean(cache)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_decode_cuda_graph_replay_after_replan_equals_eager(shape):
-    torch.manual_seed(3)
-    hq, hkv, d = shape
-    bucket = 8
-    backend = make_backend(shape)
-    cache = new_cache(backend)
-    pool = block_pool(3)
-    # The runner's persistent buffers: the graph reads these addresses on every replay.
-    q_buf = torch.zeros(bucket, hq * d, dtype=DTYPE, device=DEVICE)
-    k_buf = torch.zeros(bucket, hkv * d, dtype=DTYPE, device=DEVICE)
-    v_buf = torch.zeros_like(k_buf)
-    out_buf = torch.zeros_like(q_buf)
-    slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
-
-    def load(step: Step) -> None:
-        q_buf.copy_(step.q)
-        k_buf.copy_(step.k)
-        v_buf.copy_(step.v)
-
-    # Capture with a dummy decode step of `bucket` requests (one cached token each).
-    dummy = build_step(cache, [1] * bucket, [1] * bucket, shape, pool, slot_buf=slot_buf)
-    load(dummy)
-    meta = backend.make_graph_decode_metadata(bucket)
-    backend.plan_graph_decode(meta, dummy.batch, bucket)
-    backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)  # warm-up outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
-
-    # Replay twice, re-planned for steps of other lengths: 5 real requests + 3 padding, then 8.
-    for cached in ([3, 16, 40, 77, 130], [2, 9, 17, 64, 65, 200, 31, 300]):
-        n = len(cached)
-        step = build_step(
-            cache, cached, [1] * n, shape, pool, pad_rows=bucket - n, slot_buf=slot_buf
-        )
-        load(step)
-        backend.plan_graph_decode(meta, step.batch, bucket)
-        graph.replay()
-        graph_out = out_buf[:n].clone()
-        assert torch.isfinite(graph_out).all()
-        eager_batch = AttentionBatch(**{**vars(step.batch), "slot_mapping": slot_buf[:n]})
-        md = backend.build_metadata(eager_batch)
-        eager = backend.forward(q_buf[:n], k_buf[:n], v_buf[:n], cache, md)
-        assert max_diff(graph_out, eager) < TOL
-        assert max_diff(graph_out, reference_attention(step, cache, shape)) < TOL
-        assert_cache_clean(cache)
-
-    # Guards: a step larger than the bucket, or slots outside the captured buffer.
-    with pytest.raises(ValueError):
-        backend.plan_graph_decode(meta, build_step(cache, [1] * 9, [1] * 9, shape, pool).batch, 8)
-    other = build_step(cache, [1] * bucket, [1] * bucket, shape, pool)
-    with pytest.raises(RuntimeError, match="slot_mapping"):
-        backend.plan_graph_decode(meta, other.batch, bucket)
-
-
-def next_decode_step(prev: Step, shape, pool, slot_buf) -> Step:
-    """The decode step after ``prev``: every request adds one token (a new block from ``pool``
-    when its last one is full); the batch carries its host block table."""
-    hq, hkv, d = shape
-    n = len(prev.seq_lens)
-    blocks = [list(b) for b in prev.blocks]
-    tables = torch.zeros(n, TABLE_WIDTH, dtype=torch.int32)
-    slots = []
-    for i, pos in enumerate(prev.seq_lens):  # the new token's position
-        if pos % BLOCK == 0:
-            blocks[i].append(pool.pop())
-        tables[i, : len(blocks[i])] = torch.tensor(blocks[i])
-        slots.append(blocks[i][pos // BLOCK] * BLOCK + pos % BLOCK)
-    slot_buf.fill_(-1)
-    slot_buf[:n].copy_(torch.tensor(slots))
-    seq_lens = [s + 1 for s in prev.seq_lens]
-    rows = slot_buf.shape[0]
-    batch = AttentionBatch(
-        num_reqs=n,
-        num_tokens=n,
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE),
-        slot_mapping=slot_buf,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        is_decode_only=True,
-        query_lens_host=[1] * n,
-        seq_lens_host=seq_lens,
-        block_tables_host=tables.numpy(),
-    )
-    q = torch.randn(rows, hq * d, device=DEVICE).to(DTYPE)
-    k = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
-    v = torch.randn(rows, hkv * d, device=DEVICE).to(DTYPE)
-    return Step(batch, q, k, v, blocks, [1] * n, seq_lens)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_decode_graph_replans_only_when_pages_change(shape):
-    """Successive decode steps of the same requests on the same pages reuse the bucket's plan
-    (CUDA-core decode: only each last page's length is copied) and still equal the reference;
-    a step that opens a new page, or another bucket planned in between, plans again."""
-    torch.manual_seed(5)
-    hq, hkv, d = shape
-    bucket, n = 4, 3
-    backend = make_backend(shape)
-    cache = new_cache(backend)
-    pool = block_pool(5)
-    bufs = [torch.zeros(bucket, w * d, dtype=DTYPE, device=DEVICE) for w in (hq, hkv, hkv, hq)]
-    q_buf, k_buf, v_buf, out_buf = bufs
-    slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
-    dummy = build_step(cache, [1] * bucket, [1] * bucket, shape, pool, slot_buf=slot_buf)
-    meta = backend.make_graph_decode_metadata(bucket)
-    backend.plan_graph_decode(meta, dummy.batch, bucket)
-    backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(q_buf, k_buf, v_buf, cache, meta, out=out_buf)
-    calls = []
-    real_plan = meta.wrapper.plan
-    meta.wrapper.plan = lambda *a, **kw: (calls.append(1), real_plan(*a, **kw))[1]
-    planner = backend._graph_planner
-
-    def plans() -> int:  # through plan(), or without it (GraphDecodePlanner)
-        return len(calls) + (planner.direct_plans if planner is not None else 0)
-
-    # Lengths 13, 20, 40 after the first step: the next steps fill their pages until the
-    # first request's 17th token opens one (step 4).
-    step = build_step(
-        cache, [12, 19, 39], [1] * n, shape, pool, pad_rows=bucket - n, slot_buf=slot_buf
-    )
-    step.batch.block_tables_host = step.batch.block_tables.cpu().numpy()
-    counts = []
-    for i in range(6):
-        q_buf.copy_(step.q)
-        k_buf.copy_(step.k)
-        v_buf.copy_(step.v)
-        backend.plan_graph_decode(meta, step.batch, bucket)
-        counts.append(plans())
-        graph.replay()
-        got = out_buf[:n].clone()
-        assert max_diff(got, reference_attention(step, cache, shape)) < TOL, i
-        assert_cache_clean(cache)
-        step = next_decode_step(step, shape, pool, slot_buf)
-    # plans: step 0 plans; steps 1-3 (same pages) reuse it on the CUDA-core path; step 4
-    # opens a page; step 5 reuses again. The tensor-core schedule depends on token counts.
-    if backend.use_tensor_cores:
-        assert counts == [1, 2, 3, 4, 5, 6], counts
-    else:
-        assert counts == [1, 1, 1, 1, 2, 2], counts
-    # Another bucket planned in between: the shared buffers hold its plan, so this one replans.
-    other = backend.make_graph_decode_metadata(2)
-    other_slots = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
-    other_step = build_step(cache, [3, 4], [1, 1], shape, pool, slot_buf=other_slots)
-    backend.plan_graph_decode(other, other_step.batch, 2)
-    before = plans()
-    q_buf.copy_(step.q)
-    k_buf.copy_(step.k)
-    v_buf.copy_(step.v)
-    backend.plan_graph_decode(meta, step.batch, bucket)
-    assert plans() == before + 1
-    graph.replay()
-    assert max_diff(out_buf[:n], reference_attention(step, cache, shape)) < TOL
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_direct_graph_decode_plan_equals_flashinfers_plan(shape, monkeypatch):
-    """Decode graphs re-planned without flashinfer's Python plan() (GraphDecodePlanner, the
-    CUDA-core kernel) get the schedule, the int workspace and the fixed buffers plan() leaves,
-    and replay to the same output, bit for bit; the capture's plan goes through plan()."""
-    torch.manual_seed(6)
-    hq, hkv, d = shape
-    bucket = 8
-    direct = make_backend(shape)
-    monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", "0")
-    planned = make_backend(shape)
-    if direct.use_tensor_cores:  # the tensor-core decode path always plans through plan()
-        assert direct._graph_planner is None
-        return
-    assert direct._graph_planner is not None and planned._graph_planner is None
-    cache = new_cache(direct)
-    pool = block_pool(6)
-    slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
-    bufs = [torch.zeros(bucket, w * d, dtype=DTYPE, device=DEVICE) for w in (hq, hkv, hkv)]
-    graphs = []
-    dummy = build_step(  # with its host block table, as the engine captures
-        cache, [1] * bucket, [1] * bucket, shape, pool, slot_buf=slot_buf, host_table=True
-    )
-    for backend in (direct, planned):
-        meta = backend.make_graph_decode_metadata(bucket)
-        backend.plan_graph_decode(meta, dummy.batch, bucket)
-        out = torch.zeros(bucket, hq * d, dtype=DTYPE, device=DEVICE)
-        backend.forward(*bufs, cache, meta, out=out)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            backend.forward(*bufs, cache, meta, out=out)
-        graphs.append((backend, meta, graph, out))
-    lengths = ([3, 16, 40, 77, 130], [2, 9, 17, 64, 65, 200, 31, 300], [1], [400, 4, 250])
-    for i, cached in enumerate(lengths):
-        n = len(cached)
-        step = build_step(
-            cache, cached, [1] * n, shape, pool, pad_rows=bucket - n, slot_buf=slot_buf
-        )
-        step.batch.block_tables_host = step.batch.block_tables.cpu().numpy()
-        for buf, src in zip(bufs, (step.q, step.k, step.v)):
-            buf.copy_(src)
-        outs = []
-        for backend, meta, graph, out in graphs:
-            backend.plan_graph_decode(meta, step.batch, bucket)
-            graph.replay()
-            outs.append(out[:n].clone())
-        torch.cuda.synchronize()
-        (a, ma, _, _), (b, mb, _, _) = graphs
-        assert ma.wrapper._plan_info == mb.wrapper._plan_info, i
-        # The schedule's arrays in the int workspace (flashinfer 0.5.3 DecodePlanInfo: padded
-        # batch, two float offsets, then the offsets of request indices, KV tile indices,
-        # o_indptr, the block valid mask (split KV only) and the chunk size, then the CUDA-graph
-        # and split-KV flags); the bytes between them are leftovers of the wrapper's pinned
-        # buffer, which differ between wrappers.
-        info = [int(x) for x in ma.wrapper._plan_info]
-        padded, (req, tile, o_indptr, mask, chunk) = info[0], info[3:8]
-        regions = [(req, 4 * padded), (tile, 4 * padded), (o_indptr, 4 * padded + 4), (chunk, 4)]
-        if info[9]:
-            regions.append((mask, padded))
-        for offset, nbytes in regions:
-            got = a._int_workspace[offset : offset + nbytes]
-            assert torch.equal(got, b._int_workspace[offset : offset + nbytes]), (i, offset)
-        pages = ma.wrapper._paged_kv_indptr_buf[-1].item()
-        assert pages == mb.wrapper._paged_kv_indptr_buf[-1].item()
-        for name in ("_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf"):
-            assert torch.equal(getattr(ma.wrapper, name), getattr(mb.wrapper, name)), (i, name)
-        assert torch.equal(
-            ma.wrapper._paged_kv_indices_buf[:pages], mb.wrapper._paged_kv_indices_buf[:pages]
-        )
-        assert torch.equal(outs[0], outs[1]), f"step {i}: {max_diff(outs[0], outs[1])}"
-        assert max_diff(outs[0], reference_attention(step, cache, shape)) < TOL
-        assert_cache_clean(cache)
-    assert direct._graph_planner.direct_plans == len(lengths)
 
 
 # ---------------------------------------------------------------- one step over many layers
