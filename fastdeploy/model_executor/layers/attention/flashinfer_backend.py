@@ -208,7 +208,7 @@ class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
         layout, indices = self._staging.stage(layout, batch, page_ids)
         if batch.is_decode_only:
             wrapper = self.decode_wrapper
-            self._plan_decode(wrapper, layout, indices)
+            self._plan_decode(wrapper, layout.kv_indptr, indices, layout.kv_last_page_len)
         else:
             wrapper = self.prefill_wrapper
             self._plan(
