@@ -21,7 +21,7 @@ from pathlib import Path
 PARTS = (
     "schedule", "launch", "prepare", "replay_full", "replay_pw", "plan_gd", "plan",
     "plan_dec_direct", "build_md", "samp_prep", "logits", "sampler", "out_stage", "result",
-    "emit",
+    "finish", "drain", "stats", "emit",
 )  # fmt: skip
 
 

@@ -10,8 +10,10 @@ one JSON line per step to ``<prefix>.<pid>.jsonl`` (every 500 steps and at exit)
 
 A record holds ``t0`` and ``dt`` (the step's start and duration, ``time.perf_counter`` seconds),
 the step's graph ``mode``, scheduled requests ``nreq`` and tokens ``ntok``, outputs ``nout``, and
-for each part that ran in the step its total seconds and its call count (``n_<part>``); ``emit``
-is the engine process's send of the step message (served only), which follows the step.
+for each part that ran in the step its total seconds and its call count (``n_<part>``). Served
+only, around the step in the engine process's loop: ``drain`` (the commands applied before the
+step: adds and aborts, with ``n_drain`` commands), ``stats`` (the counters read after it) and
+``emit`` (the send of the step message).
 
 It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
 whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
@@ -76,12 +78,14 @@ PARTS = {
     "logits": ("fastdeploy.model_executor.models.llama", "DecoderForCausalLM", "compute_logits"),
     "out_stage": ("fastdeploy.worker.async_output", "OutputStager", "stage"),
     "result": ("fastdeploy.worker.async_output", "PendingOutput", "result"),
+    "finish": ("fastdeploy.engine.engine", "LLMEngine", "_finish_step"),
 }
 #: Steps buffered before a write.
 FLUSH_EVERY = 500
 
 _prefix = os.environ.get("STEP_TRACE")
 _current: dict = {}
+_before: dict = {}  # parts timed between steps, for the next step's record
 _records: list[dict] = []
 _clock = time.perf_counter
 
@@ -145,6 +149,8 @@ def _install() -> None:
 
     def traced_step(self):
         _current.clear()
+        _current.update(_before)
+        _before.clear()
         start = _clock()
         outputs = step(self)
         if _prefix:
@@ -169,6 +175,31 @@ def _install() -> None:
                 _records[-1]["emit"] = _clock() - start
 
     emitter.__call__ = traced_call
+    from fastdeploy.engine import engine_loop
+
+    loop = engine_loop.EngineLoop
+    drain = loop._drain
+
+    def traced_drain(self, block):
+        start = _clock()
+        changed = drain(self, block)
+        if not block:  # a blocking drain waited for work: idle time, not the loop's cost
+            _before["drain"] = _before.get("drain", 0.0) + _clock() - start
+            _before["n_drain"] = _before.get("n_drain", 0) + bool(changed)
+        return changed
+
+    loop._drain = traced_drain
+    get_stats = llm_engine.get_stats
+
+    def traced_stats(self):
+        start = _clock()
+        try:
+            return get_stats(self)
+        finally:
+            if _records and "stats" not in _records[-1]:
+                _records[-1]["stats"] = _clock() - start
+
+    llm_engine.get_stats = traced_stats
     atexit.register(_flush)
 
 

@@ -123,3 +123,40 @@ def test_the_report_splits_decode_steps_by_whether_they_re_planned(tmp_path, cap
     assert rows["full, plan kept"][1] == "1" and rows["full, plan kept"][5] == "1.000"
     assert rows["piecewise"][5] == "3.000"
     assert report.report(path, skip_s=0.015).startswith(f"{path}: 2 steps")
+
+
+def test_the_engine_loop_of_a_server_records_drain_stats_and_emit(tmp_path):
+    """The parts around a step in the engine process's loop (served only): the commands drained
+    before it, the counters read after it and the send of its message."""
+    script = (
+        "import multiprocessing, queue, threading\n"
+        "from fastdeploy.engine.engine_core_proc import _Emitter\n"
+        "from fastdeploy.engine.engine_loop import AddRequest, EngineLoop, StopLoop\n"
+        "commands = queue.SimpleQueue()\n"
+        "recv, send = multiprocessing.Pipe(duplex=False)\n"
+        "def read():\n"
+        "    while True:\n"
+        "        kind, *args = recv.recv()\n"
+        "        if kind == 'step' and any(o.finished for o in args[0]):\n"
+        "            return commands.put(StopLoop())\n"
+        "threading.Thread(target=read, daemon=True).start()\n"
+        "params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+        "commands.put(AddRequest('a', [5, 6, 7], params))\n"
+        "commands.put(AddRequest('b', [8, 9], params))\n"
+        "EngineLoop(llm.engine, commands, _Emitter(send, commands)).run()\n"
+    )
+    script = "from fastdeploy.core.sampling_params import SamplingParams\n" + script
+    done = run_traced(tmp_path, str(tmp_path / "tr"), script)
+    assert done.returncode == 0 and "tokens 6" in done.stdout, done.stderr[-3000:]
+    (trace,) = tmp_path.glob("tr.*.jsonl")
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    # The loop's 5 steps (overlap schedule: a step's tokens come out with the next one, the
+    # last step only finishes the one before), then those of the generate() call.
+    looped, generated = records[:5], records[5:]
+    assert [r["nout"] for r in looped] == [0, 2, 2, 2, 2] and "mode" not in looped[4]
+    assert all(r["emit"] > 0 and r["stats"] > 0 for r in looped)
+    # The loop blocked for the first commands (both adds: idle time, not timed); the drains
+    # before the later steps did not block, found no command and were timed.
+    assert "drain" not in looped[0]
+    assert all(r["drain"] > 0 and r["n_drain"] == 0 for r in looped[1:])
+    assert generated and not any({"emit", "stats", "drain"} & set(r) for r in generated)
