@@ -247,19 +247,25 @@ def test_direct_graph_decode_plan_equals_flashinfers_plan(shape, monkeypatch):
         torch.cuda.synchronize()
         (a, ma, _, _), (b, mb, _, _) = graphs
         assert ma.wrapper._plan_info == mb.wrapper._plan_info, i
-        # The schedule's arrays in the int workspace (flashinfer 0.5.3 DecodePlanInfo: padded
-        # batch, two float offsets, then the offsets of request indices, KV tile indices,
-        # o_indptr, the block valid mask (split KV only) and the chunk size, then the CUDA-graph
-        # and split-KV flags); the bytes between them are leftovers of the wrapper's pinned
-        # buffer, which differ between wrappers.
+        # The schedule's arrays in the int workspace, as far as the kernel reads them (flashinfer
+        # 0.5.3 DecodePlanInfo: padded batch, two float offsets, then the offsets of request
+        # indices, KV tile indices, o_indptr, the block valid mask (split KV only) and the chunk
+        # size, then the CUDA-graph and split-KV flags). The scheduler writes the mask for every
+        # padded block, o_indptr for each of the bucket's requests and the index arrays for the
+        # valid blocks only: the rest of each array, and the gaps between them, are leftovers of
+        # the wrapper's uninitialised pinned buffer, which differ between wrappers.
         info = [int(x) for x in ma.wrapper._plan_info]
         padded, (req, tile, o_indptr, mask, chunk) = info[0], info[3:8]
-        regions = [(req, 4 * padded), (tile, 4 * padded), (o_indptr, 4 * padded + 4), (chunk, 4)]
+        valid = padded
+        regions = [(o_indptr, 4 * (bucket + 1)), (chunk, 4)]
         if info[9]:
             regions.append((mask, padded))
+            valid = int(a._int_workspace[mask : mask + padded].sum())
+            assert 0 < valid <= padded
+        regions += [(req, 4 * valid), (tile, 4 * valid)]
         for offset, nbytes in regions:
             got = a._int_workspace[offset : offset + nbytes]
-            assert torch.equal(got, b._int_workspace[offset : offset + nbytes]), (i, offset)
+            assert torch.equal(got, b._int_workspace[offset : offset + nbytes]), (i, offset, info)
         pages = ma.wrapper._paged_kv_indptr_buf[-1].item()
         assert pages == mb.wrapper._paged_kv_indptr_buf[-1].item()
         for name in ("_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf"):
