@@ -122,7 +122,10 @@ class GPUModelRunner:
 
     def capture_model(self, progress=None) -> None:
         """Capture a full graph for every decode bucket, largest first (warm-up only): ``B``
-        one-token requests with one token of history, sharing one block."""
+        one-token requests with one token of history, sharing one block. With the decode
+        graphs' logits (``capture_logits``) and piecewise buckets, then the sampled rows'
+        logits graph of each decode bucket size (a piecewise step samples at most one row a
+        request)."""
         graphs = self.graph_runner
         block_size = self.buffers.block_size
         for b in graphs.plan.decode_capture_sizes:
@@ -134,6 +137,11 @@ class GPUModelRunner:
             graphs.capture_full_decode(b, inputs.input_ids, inputs.positions, inputs.batch, meta)
             if progress is not None:
                 progress.update(1)
+        if graphs.capture_logits and graphs.piecewise:  # piecewise steps' sampled rows
+            indices = self.buffers.logits_indices
+            for b in graphs.plan.decode_capture_sizes:
+                if b <= indices.shape[0]:
+                    graphs.capture_sampled_logits(b, indices)
 
     # ---------------------------------------------------------------- step
     def build_forward_meta(
@@ -212,13 +220,18 @@ class GPUModelRunner:
         # Under tensor parallelism every rank computes the logits: the LM head all-gathers them.
         # A decode step whose rows all sample takes them in order: a slice, no gather kernel (a
         # one-token prefill chunk that is not the prompt's end is a decode-only row that does
-        # not sample). A full graph captured with its logits has every row's already.
+        # not sample). A full graph captured with its logits has every row's already; a
+        # piecewise step's sampled rows come from a graph of their own, in order.
         num_sampling = len(inputs.sampling_reqs)
         every_row = inputs.batch.is_decode_only and num_sampling == inputs.batch.num_reqs
-        tail = self.graph_runner.decode_logits(inputs.padded) if mode == "full" else None
+        tail, in_order = None, every_row
+        if mode == "full":
+            tail = self.graph_runner.decode_logits(inputs.padded)
+        elif mode == "piecewise":
+            tail, in_order = self.graph_runner.sampled_logits(num_sampling), True
         argmax = None
         if tail is not None:
-            if every_row:
+            if in_order:
                 logits, argmax = tail[0][:num_sampling], tail[1][:num_sampling]
             else:
                 logits = tail[0].index_select(0, inputs.logits_indices)

@@ -160,6 +160,38 @@ def test_decode_graph_ends_with_the_logits_and_argmax_of_its_rows(llm):
     assert small.data_ptr() == logits.data_ptr()
 
 
+@torch.inference_mode()
+def test_a_piecewise_step_samples_its_rows_from_the_sampled_row_graph(llm):
+    """A mixed step replays its piecewise bucket, then the sampled-row graph of the smallest
+    bucket that holds its sampled rows: the logits of those rows (gathered through the
+    runner's ``logits_indices``, in that order) into the buffer the decode graphs share, and
+    their argmax. They equal the LM head run eagerly on the step's hidden rows (up to the GEMM's
+    row count); padding rows read clamped indices and change nothing."""
+    from custom_ops.argmax_ops import argmax_rows
+
+    b = StepBuilder(llm, seed=4)
+    graphs = b.runner.graph_runner
+    assert sorted(graphs.sampled) == sorted(llm.engine.graph_plan.decode_capture_sizes)
+    decs = [b.request(15 + 4 * i) for i in range(4)]
+    for q in decs:
+        b.fill(q, q.num_prompt_tokens - 1)
+    new = b.request(37)
+    sched = b.step(*[(q, q.num_prompt_tokens - 1, 1) for q in decs], (new, 0, 37))
+    hidden, inputs, mode = b.runner.forward(sched)
+    assert mode == "piecewise" and len(inputs.sampling_reqs) == 5
+    rows = inputs.logits_indices.clone()
+    assert rows.tolist() == [0, 1, 2, 3, 40]
+    eager = b.runner.model.compute_logits(hidden[rows], upcast=False).float()
+    logits, argmax = graphs.sampled_logits(5)
+    bucket = min(s for s in graphs.sampled if s >= 5)
+    assert logits.shape == (bucket, llm.engine.vocab_size) and argmax.shape == (bucket,)
+    assert torch.equal(argmax, argmax_rows(logits))
+    diff = (logits[:5].float() - eager).abs().max().item()
+    assert diff <= GRAPH_LOGIT_ATOL, diff
+    assert logits.data_ptr() == graphs.decode_logits(max(graphs.full))[0].data_ptr()
+    assert graphs.sampled_logits(max(graphs.sampled) + 1) is None
+
+
 def test_greedy_graphs_on_equal_off_and_transformers(llm, model_dir):
     prompts = random_prompts(4, llm.engine.vocab_size, 8, 300, seed=5)
     before = dict(llm.engine.get_stats()["steps_by_mode"])

@@ -37,19 +37,44 @@ class EagerGraphs:
     """Stands in for ``CudaGraphRunner``: records captures and replays; a replay runs the model
     eagerly on the padded inputs the runner prepared. With ``capture_logits`` a full replay also
     computes what a captured tail does (every row's logits and their argmax) for
-    ``decode_logits``."""
+    ``decode_logits``, and ``sampled_logits`` after a piecewise replay what a sampled-row graph
+    of the smallest bucket in ``sampled_sizes`` does: the logits and argmax of the rows the
+    runner's ``logits_indices`` buffer names (clamped into the hidden rows)."""
 
-    def __init__(self, runner, plan: GraphPlan, capture_logits: bool = False) -> None:
+    def __init__(
+        self, runner, plan: GraphPlan, capture_logits: bool = False, sampled_sizes=()
+    ) -> None:
         self.runner, self.plan = runner, plan
         self.capture_logits = capture_logits
         self.tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.captured: list[tuple] = []
         self.replayed: list[tuple[str, int, int]] = []
         self.max_positions: list[int] = []  # per captured prefill bucket
+        self.piecewise: dict[int, None] = {}
+        self.sampled_sizes = sorted(sampled_sizes)
+        self.sampled_asked: list[int] = []  # sampled rows of each piecewise step
+        self.sampled_replays: list[tuple[int, int]] = []  # (bucket, sampled rows)
+        self._hidden: torch.Tensor | None = None  # of the last piecewise replay
 
     def capture_piecewise(self, num_tokens, input_ids, positions, forward_meta) -> None:
         self.captured.append(("prefill", num_tokens, input_ids.numel(), positions.numel()))
         self.max_positions.append(int(positions[:num_tokens].max()))
+        self.piecewise[num_tokens] = None
+
+    def capture_sampled_logits(self, rows, logits_indices) -> None:
+        assert logits_indices is self.runner.buffers.logits_indices
+        self.captured.append(("sampled", rows))
+
+    def sampled_logits(self, num_rows):
+        self.sampled_asked.append(num_rows)
+        fits = [b for b in self.sampled_sizes if b >= num_rows]
+        if not fits:
+            return None
+        self.sampled_replays.append((fits[0], num_rows))
+        hidden = self._hidden
+        index = self.runner.buffers.logits_indices[: fits[0]].clamp(0, hidden.shape[0] - 1)
+        logits = self.runner.model.compute_logits(hidden[index], upcast=False)
+        return logits, logits.argmax(dim=-1)
 
     def capture_full_decode(self, batch_size, input_ids, positions, batch, forward_meta) -> None:
         assert forward_meta.kv_caches is self.runner.kv_caches
@@ -76,12 +101,13 @@ class EagerGraphs:
 
     def replay_piecewise(self, bucket, input_ids, forward_meta):
         self.replayed.append(("piecewise", bucket, input_ids.numel()))
-        return self._run(input_ids, forward_meta)
+        self._hidden = self._run(input_ids, forward_meta)
+        return self._hidden
 
 
-def capture_all(runner, plan: GraphPlan) -> EagerGraphs:
+def capture_all(runner, plan: GraphPlan, capture_logits: bool = False) -> EagerGraphs:
     """Run the runner's two capture loops against an :class:`EagerGraphs` of ``plan``."""
-    fake = EagerGraphs(runner, plan)
+    fake = EagerGraphs(runner, plan, capture_logits)
     runner.graph_runner = fake
     try:
         runner.capture_model_prefill_and_mixed()
@@ -127,6 +153,56 @@ def test_capture_loops_capture_every_bucket_largest_first_from_exact_steps(llm):
         ("decode", 2, 2, 2, True),
         ("decode", 1, 1, 1, True),
     ]
+
+
+def test_with_the_decode_graphs_logits_sampled_row_buckets_follow_the_decode_buckets(llm):
+    fake = capture_all(llm.engine.worker.runner, PLAN, capture_logits=True)
+    assert [c[:2] for c in fake.captured] == [
+        ("prefill", 64), ("prefill", 16), ("decode", 4), ("decode", 2), ("decode", 1),
+        ("sampled", 4), ("sampled", 2), ("sampled", 1),
+    ]  # fmt: skip
+    # No piecewise bucket (prefill graphs off): no sampled-row graphs either.
+    fake = capture_all(llm.engine.worker.runner, plan_of([], [2, 1]), capture_logits=True)
+    assert [c[0] for c in fake.captured] == ["decode", "decode"]
+
+
+def test_piecewise_steps_sample_the_rows_of_their_sampled_row_graph(llm):
+    """A piecewise step takes its sampled rows' logits and argmax from the smallest sampled-row
+    bucket that holds them, in the order of ``logits_indices``; a step with more sampled rows
+    than the largest bucket computes them itself. Greedy, seeded and logprob rows equal the
+    eager steps'."""
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (6, 19, 30, 12)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    runner = llm.engine.worker.runner
+
+    def run():
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    eager = run()
+    for sizes in ((4, 2, 1), (2, 1)):
+        fake = EagerGraphs(runner, PLAN, capture_logits=True, sampled_sizes=sizes)
+        runner.graph_runner = fake
+        try:
+            graphs = run()
+        finally:
+            runner.graph_runner = None
+        assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+        for a, b in zip(graphs[2].logprobs, eager[2].logprobs):
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-5
+        pieces = sum(kind == "piecewise" for kind, _, _ in fake.replayed)
+        assert len(fake.sampled_asked) == pieces  # each piecewise step asked once
+        fitting = [n for n in fake.sampled_asked if n <= max(sizes)]
+        assert fake.sampled_replays == [(min(b for b in sizes if b >= n), n) for n in fitting]
+        if sizes == (2, 1):  # 4 prompts sampled in one step: outside the graphs
+            assert max(fake.sampled_asked) == 4 and len(fitting) < pieces
+        else:
+            assert fitting == fake.sampled_asked
 
 
 def test_steps_replay_the_bucket_dispatch_picks_and_padding_changes_nothing(llm):

@@ -10,6 +10,7 @@ once per bucket, largest first.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -20,6 +21,7 @@ import torch
 from fastdeploy import envs
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.full_graph import FullGraph
+from fastdeploy.model_executor.graph_optimization.logits_graph import SampledLogitsGraph
 from fastdeploy.model_executor.graph_optimization.piecewise import (
     PiecewiseGraph,
     PiecewiseModel,
@@ -52,7 +54,9 @@ class CudaGraphRunner:
             one-token prefill chunk short of its prompt's end does not, and the runner picks
             the sampling rows). The model must have ``compute_logits(hidden, upcast=False,
             out=)`` and an ``lm_head.weight`` ``[vocab, hidden]`` (not under tensor
-            parallelism, whose head all-gathers into a tensor of its own).
+            parallelism, whose head all-gathers into a tensor of its own). With it, a piecewise
+            step's sampled rows get their logits and argmax from a graph too
+            (:meth:`capture_sampled_logits`).
     """
 
     def __init__(
@@ -85,6 +89,8 @@ class CudaGraphRunner:
         self.attn_layers = [layer.attn for layer in model.layers]
         self.capture_logits = capture_logits
         self._logits: torch.Tensor | None = None  # shared by the decode graphs' tails
+        self.sampled: dict[int, SampledLogitsGraph] = {}  # piecewise steps' sampled rows
+        self._sampled_sizes: list[int] = []  # its buckets, ascending
 
     # ----------------------------------------------------------- capture
     def begin_capture(self) -> None:
@@ -233,7 +239,47 @@ class CudaGraphRunner:
 
         return tail
 
+    def capture_sampled_logits(self, rows: int, logits_indices: torch.Tensor) -> None:
+        """Capture the LM head and argmax of up to ``rows`` sampled rows of a piecewise step
+        (:class:`~fastdeploy.model_executor.graph_optimization.logits_graph.SampledLogitsGraph`),
+        after the piecewise buckets, largest first.
+
+        Args:
+            rows: the bucket (sampled rows).
+            logits_indices: the runner's persistent int64 buffer of sampled rows (at least
+                ``rows`` entries), as its steps write it.
+
+        Raises:
+            RuntimeError: outside the capture window, not largest first, without
+                ``capture_logits`` or before any piecewise bucket.
+        """
+        if not self.capture_logits or not self.piecewise:
+            raise RuntimeError(
+                "sampled-row logits graphs need capture_logits and the piecewise buckets first"
+            )
+        self._check_order("sampled", rows)
+        graph = SampledLogitsGraph(
+            rows, self.segment_buffers().hidden, logits_indices[:rows], self._logits_tail(rows)
+        )
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.num_warmups):
+                graph.run_eager()
+        self.stream.synchronize()
+        graph.capture(self.pool, self.stream)
+        self.sampled[rows] = graph
+        self._sampled_sizes = sorted(self.sampled)
+
     # ----------------------------------------------------------- replay
+    def sampled_logits(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After :meth:`replay_piecewise`: replay the smallest sampled-row bucket holding
+        ``num_rows`` rows, whose indices the step's ``prepare`` wrote. Returns ``(logits
+        [bucket, vocab], argmax int64 [bucket])`` in the order of those indices (static
+        tensors; rows past ``num_rows`` are padding), or None when no bucket holds them (none
+        captured, or more rows than the largest)."""
+        sizes = self._sampled_sizes
+        i = bisect.bisect_left(sizes, num_rows)
+        return self.sampled[sizes[i]].replay() if i < len(sizes) else None
+
     def decode_logits(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What the last replay of decode bucket ``bucket`` computed after the hidden states:
         ``(logits [bucket, vocab], argmax int64 [bucket])``, static tensors (consume them
@@ -273,12 +319,16 @@ class CudaGraphRunner:
             raise AssertionError("replay input address differs from the captured one")
 
     def num_graphs(self) -> int:
-        """CUDA graphs held: one per decode bucket, ``L + 1`` per prefill bucket."""
-        return len(self.full) + sum(len(g.graphs) for g in self.piecewise.values())
+        """CUDA graphs held: one per decode bucket, ``L + 1`` per prefill bucket, one per
+        sampled-row bucket."""
+        pieces = sum(len(g.graphs) for g in self.piecewise.values())
+        return len(self.full) + pieces + len(self.sampled)
 
     def release(self) -> None:
         """Drop every graph and buffer (engine shutdown, or a failed capture)."""
         self.piecewise.clear()
         self.full.clear()
+        self.sampled.clear()
+        self._sampled_sizes = []
         self._bufs = None
         self._logits = None
