@@ -288,7 +288,8 @@ def main() -> None:
     if graphs is not None:
         print(
             f"capture: {graphs.num_graphs()} graphs ({len(graphs.piecewise)} prefill buckets, "
-            f"{len(graphs.full)} decode buckets) in {graphs.capture_seconds:.2f} s, graph memory "
+            f"{len(graphs.full)} decode, {len(graphs.sampled)} sampled-row buckets) in "
+            f"{graphs.capture_seconds:.2f} s, graph memory "
             f"{graphs.memory_bytes / 2**20:.1f} MiB"
         )
     result = {"rows": rows, "decode": decode_rows(bench, args.decode_batches, args.decode_context)}

@@ -10,10 +10,12 @@ one JSON line per step to ``<prefix>.<pid>.jsonl`` (every 500 steps and at exit)
 
 A record holds ``t0`` and ``dt`` (the step's start and duration, ``time.perf_counter`` seconds),
 the step's graph ``mode``, scheduled requests ``nreq`` and tokens ``ntok``, outputs ``nout``, and
-for each part that ran in the step its total seconds and its call count (``n_<part>``). Served
-only, around the step in the engine process's loop: ``drain`` (the commands applied before the
-step: adds and aborts, with ``n_drain`` commands), ``stats`` (the counters read after it) and
-``emit`` (the send of the step message).
+for each part that ran in the step its total seconds and its call count (``n_<part>``);
+``finish`` (the step's tokens appended, stop-checked and turned into outputs) includes the wait
+for those tokens. Around the step in the engine process's loop, served only: ``drain`` (the
+non-blocking application of the commands queued before the step, adds and aborts; ``n_drain``
+counts the drains that applied any), ``stats`` (the counters read after it; also offline where
+the caller reads them) and ``emit`` (the send of the step message).
 
 It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
 whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
@@ -76,6 +78,11 @@ PARTS = {
     "samp_prep": ("fastdeploy.worker.sampling_buffers", "SamplingBuffers", "prepare"),
     "sampler": ("fastdeploy.model_executor.layers.sampler", "Sampler", "__call__"),
     "logits": ("fastdeploy.model_executor.models.llama", "DecoderForCausalLM", "compute_logits"),
+    "logits_pw": (  # a piecewise step's sampled rows from their graph (no compute_logits call)
+        "fastdeploy.model_executor.graph_optimization.graph_runner",
+        "CudaGraphRunner",
+        "sampled_logits",
+    ),
     "out_stage": ("fastdeploy.worker.async_output", "OutputStager", "stage"),
     "result": ("fastdeploy.worker.async_output", "PendingOutput", "result"),
     "finish": ("fastdeploy.engine.engine", "LLMEngine", "_finish_step"),
@@ -128,6 +135,35 @@ def _wrap(label: str, module: str, cls_name: str, method: str) -> None:
     setattr(cls, method, timed)
 
 
+def _wrap_loop(llm_engine) -> None:
+    """Time the served engine loop's drain (before a step) and the counters (after it)."""
+    from fastdeploy.engine import engine_loop
+
+    loop = engine_loop.EngineLoop
+    drain = loop._drain
+
+    def traced_drain(self, block, *args, **kwargs):
+        start = _clock()
+        changed = drain(self, block, *args, **kwargs)
+        if not block:  # a blocking drain waited for work: idle time, not the loop's cost
+            _before["drain"] = _before.get("drain", 0.0) + _clock() - start
+            _before["n_drain"] = _before.get("n_drain", 0) + bool(changed)
+        return changed
+
+    loop._drain = traced_drain
+    get_stats = llm_engine.get_stats
+
+    def traced_stats(self, *args, **kwargs):
+        start = _clock()
+        try:
+            return get_stats(self, *args, **kwargs)
+        finally:
+            if _records and "stats" not in _records[-1]:
+                _records[-1]["stats"] = _clock() - start
+
+    llm_engine.get_stats = traced_stats
+
+
 def _install() -> None:
     from fastdeploy.engine import engine as engine_module
     from fastdeploy.worker import gpu_model_runner
@@ -161,6 +197,7 @@ def _install() -> None:
         return outputs
 
     llm_engine.step = traced_step
+    atexit.register(_flush)  # before the loop's parts: a part that cannot be wrapped loses none
     from fastdeploy.engine import engine_core_proc
 
     emitter = engine_core_proc._Emitter
@@ -175,32 +212,10 @@ def _install() -> None:
                 _records[-1]["emit"] = _clock() - start
 
     emitter.__call__ = traced_call
-    from fastdeploy.engine import engine_loop
-
-    loop = engine_loop.EngineLoop
-    drain = loop._drain
-
-    def traced_drain(self, block):
-        start = _clock()
-        changed = drain(self, block)
-        if not block:  # a blocking drain waited for work: idle time, not the loop's cost
-            _before["drain"] = _before.get("drain", 0.0) + _clock() - start
-            _before["n_drain"] = _before.get("n_drain", 0) + bool(changed)
-        return changed
-
-    loop._drain = traced_drain
-    get_stats = llm_engine.get_stats
-
-    def traced_stats(self):
-        start = _clock()
-        try:
-            return get_stats(self)
-        finally:
-            if _records and "stats" not in _records[-1]:
-                _records[-1]["stats"] = _clock() - start
-
-    llm_engine.get_stats = traced_stats
-    atexit.register(_flush)
+    try:
+        _wrap_loop(llm_engine)
+    except (ImportError, AttributeError) as e:  # a part the code no longer has
+        print(f"step trace: drain and stats skipped ({e})", file=sys.stderr)
 
 
 if _prefix:

@@ -138,10 +138,8 @@ class GPUModelRunner:
             if progress is not None:
                 progress.update(1)
         if graphs.capture_logits and graphs.piecewise:  # piecewise steps' sampled rows
-            indices = self.buffers.logits_indices
-            for b in graphs.plan.decode_capture_sizes:
-                if b <= indices.shape[0]:
-                    graphs.capture_sampled_logits(b, indices)
+            for b in graphs.plan.decode_capture_sizes:  # <= max_num_seqs (FDConfig checks)
+                graphs.capture_sampled_logits(b, self.buffers.logits_indices)
 
     # ---------------------------------------------------------------- step
     def build_forward_meta(

@@ -69,8 +69,9 @@ class LastSampled:
 
     Attributes:
         token_ids: int64 ``[num_sampling]`` on the device, the sampler's output (for a greedy
-            full decode step a view of the graph's static argmax, overwritten by that bucket's
-            next replay: the next step's ``prepare`` queues its read before its own replay).
+            full decode step, or a greedy piecewise step whose sampled rows come from a graph, a
+            view of that graph's static argmax, overwritten by its next replay: the next step's
+            ``prepare`` queues its read before its own replays).
         rows: request id -> row of ``token_ids``.
     """
 

@@ -166,7 +166,7 @@ def test_a_piecewise_step_samples_its_rows_from_the_sampled_row_graph(llm):
     bucket that holds its sampled rows: the logits of those rows (gathered through the
     runner's ``logits_indices``, in that order) into the buffer the decode graphs share, and
     their argmax. They equal the LM head run eagerly on the step's hidden rows (up to the GEMM's
-    row count); padding rows read clamped indices and change nothing."""
+    row count)."""
     from custom_ops.argmax_ops import argmax_rows
 
     b = StepBuilder(llm, seed=4)

@@ -1,6 +1,8 @@
-"""Every plan call the flashinfer backend makes through a wrapper's ``plan()`` binds to the
-signature of flashinfer-python 0.5.3's ``plan`` (parameter names and order as in that release's
-``flashinfer/decode.py`` and ``flashinfer/prefill.py``), on CPU, with stand-in wrappers.
+"""The plan calls the flashinfer backend makes through a wrapper's ``plan()`` (eager decode,
+eager prefill with and without PrefillPlanner, graph decode with and without GraphDecodePlanner)
+bind to the signature of flashinfer-python 0.5.3's ``plan`` (parameter names and order as in
+that release's ``flashinfer/decode.py`` and ``flashinfer/prefill.py``), on CPU, with stand-in
+wrappers.
 
 Why on CPU: eager decode steps, the prefill plan when the direct plan is refused and graph decode
 plans through ``plan()`` otherwise run only on a GPU, where a wrong argument list surfaced as
@@ -18,6 +20,7 @@ from fastdeploy.model_executor.layers.attention.backend import AttentionBackend,
 from fastdeploy.model_executor.layers.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
 )
+from fastdeploy.model_executor.layers.attention.flashinfer_plan import PrefillPlanner
 from fastdeploy.model_executor.layers.attention.flashinfer_staging import PlanStaging
 
 CPU = torch.device("cpu")
@@ -132,7 +135,26 @@ def test_a_mixed_step_plans_the_prefill_wrapper(backend):
     assert plan["indices"] == [10, 11, 20] and plan["causal"] is True
 
 
-def test_graph_decode_plans_through_plan_bind(backend):
+def test_a_mixed_step_through_the_prefill_planner_binds(backend):
+    """The default GPU path of a mixed step: PrefillPlanner, which plans through ``plan()``
+    where its direct plan is refused (here: an unknown flashinfer version)."""
+    backend._prefill_planner = PrefillPlanner(backend.prefill_wrapper, "0.0.0")
+    staging = backend._staging  # take the pinned path (a CPU stand-in for the device buffer)
+    staging._packed_dev = torch.zeros(staging._sets.capacity("packed"), dtype=torch.int32)
+    md = backend.build_metadata(batch([5, 1], [21, 4]))
+    assert md.wrapper is backend.prefill_wrapper
+    (plan,) = backend.prefill_wrapper.plans
+    assert plan["qo_indptr"] == [0, 5, 6] and plan["indptr"] == [0, 2, 3]
+    assert plan["causal"] is True and plan["shape"] == (HEADS, KV_HEADS, HEAD_DIM, PAGE)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_graph_decode_plans_through_plan_bind(backend, monkeypatch, direct):
+    """Through GraphDecodePlanner (refusing an unknown version) and, with
+    ``FD_FLASHINFER_DIRECT_PLAN=0``, without it."""
+    monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", direct)
+    backend._init_graph_decode()
+    assert (backend._graph_planner is None) == (direct == "0")
     md = backend.make_graph_decode_metadata(4)
     slots = torch.zeros(4, dtype=torch.int64)
     for seq_lens in ([17, 3], [33, 3], [40, 3, 2]):  # new pages each step: no kept plan

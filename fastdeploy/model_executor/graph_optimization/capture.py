@@ -91,11 +91,12 @@ def capture_session(graphs: CudaGraphRunner) -> Iterator[tqdm]:
     graphs.capture_seconds = elapsed
     graphs.memory_bytes = used
     logger.info(
-        "captured %d CUDA graphs (%d prefill buckets, %d decode buckets) in %.2f s, "
-        "graph memory %.1f MiB",
+        "captured %d CUDA graphs (%d prefill buckets, %d decode buckets, %d sampled-row "
+        "buckets) in %.2f s, graph memory %.1f MiB",
         graphs.num_graphs(),
         len(graphs.piecewise),
         len(graphs.full),
+        len(graphs.sampled),
         elapsed,
         used / 2**20,
     )

@@ -230,6 +230,11 @@ class CudaGraphRunner:
             self._logits = torch.empty(
                 batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device
             )
+        if batch_size > self._logits.shape[0]:
+            raise RuntimeError(
+                f"a logits tail of {batch_size} rows after the shared buffer was sized for "
+                f"{self._logits.shape[0]}: capture the largest decode bucket first"
+            )
         rows = self._logits[:batch_size]
         model = self.model
 
@@ -261,11 +266,15 @@ class CudaGraphRunner:
         graph = SampledLogitsGraph(
             rows, self.segment_buffers().hidden, logits_indices[:rows], self._logits_tail(rows)
         )
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             for _ in range(self.num_warmups):
                 graph.run_eager()
         self.stream.synchronize()
+        t1 = time.perf_counter()
         graph.capture(self.pool, self.stream)
+        self.seconds["sampled warm-up"] += t1 - t0
+        self.seconds["sampled capture"] += time.perf_counter() - t1
         self.sampled[rows] = graph
         self._sampled_sizes = sorted(self.sampled)
 
