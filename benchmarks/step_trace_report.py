@@ -6,7 +6,7 @@ re-planned their graph's attention cost over those that kept their plan::
 
 ``--skip-s`` drops the steps of the first seconds of each trace (a server's warm-up requests and
 the clients' start); a trace holds every step of its process, warm-up included. Times are host
-time: a part that waits for the device (``result``, ``finish``) includes the wait.
+time: a part that waits for the device (``result``, ``finish``) includes the wait (``wait``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 PARTS = (
     "schedule", "launch", "prepare", "replay_full", "replay_pw", "plan_gd", "plan",
     "plan_dec_direct", "build_md", "samp_prep", "logits", "logits_pw", "sampler", "out_stage",
-    "result", "finish", "drain", "stats", "emit",
+    "result", "wait", "finish", "drain", "stats", "emit",
 )  # fmt: skip
 
 

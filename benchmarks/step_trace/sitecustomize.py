@@ -11,11 +11,12 @@ one JSON line per step to ``<prefix>.<pid>.jsonl`` (every 500 steps and at exit)
 A record holds ``t0`` and ``dt`` (the step's start and duration, ``time.perf_counter`` seconds),
 the step's graph ``mode``, scheduled requests ``nreq`` and tokens ``ntok``, outputs ``nout``, and
 for each part that ran in the step its total seconds and its call count (``n_<part>``);
-``finish`` (the step's tokens appended, stop-checked and turned into outputs) includes the wait
-for those tokens. Around the step in the engine process's loop, served only: ``drain`` (the
-non-blocking application of the commands queued before the step, adds and aborts; ``n_drain``
-counts the drains that applied any), ``stats`` (the counters read after it; also offline where
-the caller reads them) and ``emit`` (the send of the step message).
+``finish`` (the step's tokens appended, stop-checked and turned into outputs) includes ``wait``,
+the host's wait for those tokens (device time not hidden behind the host's work). Around the
+step in the engine process's loop, served only: ``drain`` (the non-blocking application of the
+commands queued before the step, adds and aborts; ``n_drain`` counts the drains that applied
+any), ``stats`` (the counters read after it; also offline where the caller reads them) and
+``emit`` (the send of the step message).
 
 It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
 whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
@@ -85,6 +86,7 @@ PARTS = {
     ),
     "out_stage": ("fastdeploy.worker.async_output", "OutputStager", "stage"),
     "result": ("fastdeploy.worker.async_output", "PendingOutput", "result"),
+    "wait": ("fastdeploy.worker.async_output", "PendingOutput", "_wait"),  # for the tokens
     "finish": ("fastdeploy.engine.engine", "LLMEngine", "_finish_step"),
 }
 #: Steps buffered before a write.

@@ -43,6 +43,9 @@ def test_an_offline_run_on_cpu_writes_a_record_per_step(tmp_path):
     for r in stepped:
         assert r["n_schedule"] == 1 and r["n_launch"] == 1 and r["n_prepare"] == 1
         assert 0 < r["prepare"] < r["launch"] < r["dt"]
+    # Each step's tokens are waited for once, inside finish (a step later: overlap schedule).
+    finished = [r for r in records if "finish" in r]
+    assert finished and all(r["n_wait"] == 1 and 0 < r["wait"] < r["finish"] for r in finished)
     assert sum(r["ntok"] for r in stepped) == 2 * (4 * 16 + 4 * 4)  # prompts, 4 decode tokens
     report = load_benchmark_module("step_trace_report")
     table = report.report(trace)
