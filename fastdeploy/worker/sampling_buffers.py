@@ -171,12 +171,11 @@ class SamplingBuffers:
             RuntimeError: no slot is free (more requests alive than ``max_num_seqs``).
         """
         slot_of = self._slot_of
-        rows, new = [], []
+        rows, new = [], False
         for r in reqs:
             slot = slot_of.get(r.request_id)
             if slot is None:
-                slot = self._take_slot(r)
-                new.append((r, slot))
+                slot, new = self._take_slot(r), True
             rows.append(slot)
         state = self._last_rows
         same_rows = not new and state is not None and state.rows == rows

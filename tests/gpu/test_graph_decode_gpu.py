@@ -24,14 +24,11 @@ from attention_steps import (
     new_cache,
     reference_attention,
 )
+from gpu_utils import GPU_ONLY
 
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_ONLY
 
 
 @pytest.mark.parametrize("shape", SHAPES)
