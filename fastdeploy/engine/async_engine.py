@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.engine_core_proc import EngineCoreProcess
+from fastdeploy.engine.engine_core_proc import EngineCoreClient
 from fastdeploy.engine.engine_loop import (
     IDLE_WAIT_S,
     AbortRequest,
@@ -95,7 +95,8 @@ class AsyncLLMEngine:
     """Drives the engine loop and streams its outputs to asyncio consumers.
 
     Args:
-        engine: an :class:`EngineCoreProcess` (the loop runs in that process), or an
+        engine: an :class:`EngineCoreProcess` (the loop runs in that process) or an
+            :class:`EngineCoreClient` (attached to one another process started), or an
             ``LLMEngine`` or anything with its methods (``check_request``, ``add_request``,
             ``abort_request``, ``step``, ``has_unfinished_requests``, ``get_stats``,
             ``shutdown`` and the attributes ``tokenizer``, ``max_model_len``, ``vocab_size``;
@@ -120,8 +121,8 @@ class AsyncLLMEngine:
 
             output_processor = OutputProcessor()
         self.engine = engine
-        core = engine if isinstance(engine, EngineCoreProcess) else ThreadCore(engine)
-        self._core: EngineCoreProcess | ThreadCore = core
+        core = engine if isinstance(engine, EngineCoreClient) else ThreadCore(engine)
+        self._core: EngineCoreClient | ThreadCore = core
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
         self.max_model_len_note: str | None = core.max_model_len_note

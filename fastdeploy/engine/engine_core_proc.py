@@ -14,13 +14,20 @@ the engine process sends ``("ready", info)`` (the :class:`~fastdeploy.engine.adm
 requests are checked against, the resolved config and graph plan) or ``("error", exception)``
 when the engine could not start.
 
+Several API server processes (``--api-server-count N``, vLLM's flag): each has its own two pipes
+(:attr:`EngineCoreProcess.extra_frontends` for those after the first, which attach with
+:class:`EngineCoreClient`), and :class:`~fastdeploy.engine.frontend_router.FrontendRouter` in the
+engine process sends each one its own requests' outputs.
+
 Lifetime:
 
 * the engine process ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the
   whole process group, and the server must first finish its in-flight requests (graceful
   shutdown), then stop the engine with ``StopLoop``;
 * if the server process dies, the command pipe reaches end-of-file and the engine process
-  stops at its next step boundary, releasing the model (and its tensor-parallel ranks);
+  stops at its next step boundary, releasing the model (and its tensor-parallel ranks); with
+  several API server processes, the one that died leaves (its requests are aborted) and the
+  engine stops once all have;
 * if the engine process dies, the reply pipe reaches end-of-file and the server fails the
   in-flight requests with ``EngineDeadError`` and answers ``/health`` with 503; it does not
   restart the engine.
@@ -70,78 +77,78 @@ def portable_error(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-class EngineCoreProcess:
-    """Starts the engine process and talks to it; used by
-    :class:`~fastdeploy.engine.async_engine.AsyncLLMEngine` like
+class EngineCoreClient:
+    """One API server's connection to an engine process: the commands it sends and the loop's
+    messages it reads, used by :class:`~fastdeploy.engine.async_engine.AsyncLLMEngine` like
     :class:`~fastdeploy.engine.engine_loop.ThreadCore`.
 
-    The constructor returns once the engine is ready (model loaded, KV cache sized, graphs
-    captured); meanwhile this process loads the tokenizer.
+    Built directly, it attaches to an engine process that another process started: an API
+    server process after the first with ``--api-server-count N`` (its pipes come from
+    :attr:`EngineCoreProcess.extra_frontends`); leaving (``StopLoop``) then ends only this front
+    end's part (the engine process aborts the requests it still had), and :meth:`join` returns
+    at once. :class:`EngineCoreProcess` is the same connection for the process that started the
+    engine. The constructor returns once the engine has reported ready; meanwhile this process
+    loads the tokenizer.
 
     Args:
-        config: a resolved config (``EngineArgs.create_engine_config``); pickled to the engine
-            process.
-        graph_plan: its graph plan.
-        log_level: the engine process's logging level (``info``, ``debug``, ...).
+        config: the resolved config the engine process runs (for the tokenizer).
+        cmd_conn: the sending end of this front end's command pipe.
+        out_conn: the receiving end of its message pipe.
 
     Raises:
-        ValueError, FileNotFoundError, OSError: what ``LLMEngine`` raised in the engine process
-            (a bad setting, a missing model, a KV pool too small).
-        EngineStartError: the engine process died while starting.
+        ValueError, FileNotFoundError, OSError: what ``LLMEngine`` raised in the engine process.
+        EngineStartError: the engine process died while starting (or its pipe closed).
     """
 
-    def __init__(self, config: FDConfig, graph_plan: GraphPlan, log_level: str = "info") -> None:
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._cmd = ctx.Pipe(duplex=False)
-        self._out, out_send = ctx.Pipe(duplex=False)
+    def __init__(self, config: FDConfig, cmd_conn: Any, out_conn: Any) -> None:
+        self._cmd, self._out = cmd_conn, out_conn
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reading = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emit: Emit | None = None
-        self.proc = ctx.Process(
-            target=run_engine_core,
-            args=(config, graph_plan, log_level, cmd_recv, out_send),
-            name="fastdeploy-engine-core",
-        )
-        with _cpu_wait_policy(config.device_config.device):
-            self.proc.start()
-        cmd_recv.close()
-        out_send.close()
         try:
-            self.tokenizer = None
-            if not config.model_config.skip_tokenizer_init:
-                self.tokenizer = config.model_source.load_tokenizer()
-            info = self._wait_ready()
+            self._connect(config)
         except BaseException:
             self.kill()
             raise
+
+    def _connect(self, config: FDConfig) -> None:
+        self.tokenizer = None
+        if not config.model_config.skip_tokenizer_init:
+            self.tokenizer = config.model_source.load_tokenizer()
+        info = self._wait_ready()
         self.admission = info["admission"]
         self.max_model_len: int = self.admission.max_model_len
         self.max_model_len_note: str | None = self.admission.max_model_len_note
         self.vocab_size: int = self.admission.vocab_size
         self._describe = {"config": info["config"], "graph_plan": info["graph_plan"]}
-        logger.info("engine process %d is ready", self.proc.pid)
+
+    def _engine_alive(self) -> bool:
+        """Whether the engine process may still answer (its own process can tell; a front end
+        that did not start it learns of its end from the pipe)."""
+        return True
+
+    def _exit_note(self) -> str:
+        return "the engine process exited"
 
     def _wait_ready(self) -> dict:
         while not self._out.poll(STARTUP_POLL_S):
-            if not self.proc.is_alive():
-                raise EngineStartError(
-                    f"the engine process exited with code {self.proc.exitcode} while starting "
-                    "(its log is above)"
-                )
+            if not self._engine_alive():
+                raise EngineStartError(f"{self._exit_note()} while starting (its log is above)")
         try:
             kind, payload = self._out.recv()
         except (EOFError, OSError):
-            self.proc.join(5)
             raise EngineStartError(
-                f"the engine process exited with code {self.proc.exitcode} while starting "
-                "(its log is above)"
+                f"{self._exit_note()} while starting (its log is above)"
             ) from None
         if kind == "error":
-            self.proc.join(10)
+            self._started_with_error()
             raise payload
         return payload
+
+    def _started_with_error(self) -> None:
+        """The engine reported a start-up error (its process then exits by itself)."""
 
     # ------------------------------------------------------------------ server side
     def check_request(self, prompt_token_ids, sampling_params, kv_transfer_params=None) -> Any:
@@ -171,13 +178,7 @@ class EngineCoreProcess:
         except (EOFError, OSError):
             self._stop_reading()
             if not self._stopping:
-                self.proc.join(1)
-                self._emit(
-                    "dead",
-                    EngineProcessExitedError(
-                        f"the engine process exited (code {self.proc.exitcode})"
-                    ),
-                )
+                self._emit("dead", EngineProcessExitedError(self._exit_note()))
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -196,12 +197,12 @@ class EngineCoreProcess:
             pass
 
     def is_alive(self) -> bool:
-        return self._reading and self.proc.is_alive()
+        return self._reading and self._engine_alive()
 
     def join(self, timeout_s: float) -> bool:
-        """Wait for the engine process to exit after ``StopLoop``; True when it did."""
-        self.proc.join(timeout_s)
-        return not self.proc.is_alive()
+        """After ``StopLoop``: True at once (this front end has left; the engine process runs
+        on for the others, or stops once the last has left)."""
+        return True
 
     def close(self) -> None:
         """Stop reading and close the pipes (after :meth:`join`; on the loop's thread)."""
@@ -211,11 +212,102 @@ class EngineCoreProcess:
         self._out.close()
 
     def kill(self) -> None:
+        """Leave at once: close the pipes (the engine process aborts this front end's
+        requests when it sees them close)."""
+        self.close()
+
+
+class EngineCoreProcess(EngineCoreClient):
+    """Starts the engine process and talks to it (as :class:`EngineCoreClient`).
+
+    The constructor returns once the engine is ready (model loaded, KV cache sized, graphs
+    captured); meanwhile this process loads the tokenizer.
+
+    Args:
+        config: a resolved config (``EngineArgs.create_engine_config``); pickled to the engine
+            process.
+        graph_plan: its graph plan.
+        log_level: the engine process's logging level (``info``, ``debug``, ...).
+        num_frontends: API server processes the engine serves (``--api-server-count``): this
+            one, plus ``num_frontends - 1`` whose pipes are in :attr:`extra_frontends`.
+
+    Raises:
+        ValueError, FileNotFoundError, OSError: what ``LLMEngine`` raised in the engine process
+            (a bad setting, a missing model, a KV pool too small); ValueError also for
+            ``num_frontends`` < 1.
+        EngineStartError: the engine process died while starting.
+    """
+
+    def __init__(
+        self,
+        config: FDConfig,
+        graph_plan: GraphPlan,
+        log_level: str = "info",
+        num_frontends: int = 1,
+    ) -> None:
+        if num_frontends < 1:
+            raise ValueError(f"num_frontends={num_frontends} is invalid; allowed: >= 1")
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        extra = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(num_frontends - 1)]
+        #: ``(cmd_conn, out_conn)`` of each other front end, for :class:`EngineCoreClient`
+        #: in its process; :meth:`release_extra_frontends` closes this process's copies.
+        self.extra_frontends = [(c_send, o_recv) for (_, c_send), (o_recv, _) in extra]
+        self._cmd, self._out = cmd_send, out_recv
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._reading = False
+        self._loop = None
+        self._emit = None
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(config, graph_plan, log_level, cmd_recv, out_send),
+            kwargs={"extra_frontends": [(c_recv, o_send) for (c_recv, _), (_, o_send) in extra]},
+            name="fastdeploy-engine-core",
+        )
+        with _cpu_wait_policy(config.device_config.device):
+            self.proc.start()
+        for conn in [cmd_recv, out_send] + [c for pair in extra for c in (pair[0][0], pair[1][1])]:
+            conn.close()
+        try:
+            self._connect(config)
+        except BaseException:
+            self.kill()
+            raise
+        logger.info("engine process %d is ready", self.proc.pid)
+
+    def _engine_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def _started_with_error(self) -> None:
+        self.proc.join(10)  # it exits by itself: let it, before kill() would
+
+    def _exit_note(self) -> str:
+        self.proc.join(1)
+        return f"the engine process exited (code {self.proc.exitcode})"
+
+    def release_extra_frontends(self) -> None:
+        """Close this process's copies of the other front ends' pipes (once their processes
+        hold them), so that the engine process sees a pipe close when its front end dies."""
+        for cmd_conn, out_conn in self.extra_frontends:
+            cmd_conn.close()
+            out_conn.close()
+        self.extra_frontends = []
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the engine process to exit after ``StopLoop`` (with several front ends, it
+        exits once every one has left); True when it did."""
+        self.proc.join(timeout_s)
+        return not self.proc.is_alive()
+
+    def kill(self) -> None:
         """End the engine process now (SIGKILL; it ignores SIGTERM) and close the pipes."""
         self._stopping = True
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(10)
+        self.release_extra_frontends()
         self.close()
 
 
@@ -238,23 +330,43 @@ def _cpu_wait_policy(device: str):
 
 # ---------------------------------------------------------------------- engine process
 def run_engine_core(
-    config: FDConfig, graph_plan: GraphPlan, log_level: str, cmd_conn: Any, out_conn: Any
+    config: FDConfig,
+    graph_plan: GraphPlan,
+    log_level: str,
+    cmd_conn: Any,
+    out_conn: Any,
+    extra_frontends: list[tuple[Any, Any]] = (),
 ) -> None:
     """Main function of the engine process: build ``LLMEngine(config, graph_plan)``, report
     ``ready`` (or ``error``), run the loop until ``StopLoop`` or the server's end-of-file, then
-    release the engine."""
+    release the engine.
+
+    ``extra_frontends``: ``(cmd_conn, out_conn)`` of each further API server process
+    (``--api-server-count``); with any, the messages are routed by
+    :class:`~fastdeploy.engine.frontend_router.FrontendRouter` and the loop stops once every
+    front end has left."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     commands: queue.SimpleQueue = queue.SimpleQueue()
     ready = threading.Event()
-    threading.Thread(
-        target=_pump,
-        args=(cmd_conn, commands, ready),
-        name="fastdeploy-engine-commands",
-        daemon=True,
-    ).start()
-    emit = _Emitter(out_conn, commands)
+    pairs = [(cmd_conn, out_conn), *extra_frontends]
+    if len(pairs) == 1:
+        emit: Emit = _Emitter(out_conn, commands)
+        sinks: list[Any] = [commands]
+    else:
+        from fastdeploy.engine.frontend_router import FrontendRouter
+
+        outs = iter([out for _, out in pairs])
+        emit = FrontendRouter(commands, lambda inbox: _Emitter(next(outs), inbox), len(pairs))
+        sinks = emit.inboxes
+    for index, ((conn, _), sink) in enumerate(zip(pairs, sinks, strict=True)):
+        threading.Thread(
+            target=_pump,
+            args=(conn, sink, ready),
+            name=f"fastdeploy-engine-commands-{index}",
+            daemon=True,
+        ).start()
     from fastdeploy.engine.engine import LLMEngine
 
     try:
@@ -278,12 +390,14 @@ def run_engine_core(
         EngineLoop(engine, commands, emit).run()
     finally:
         engine.shutdown()
-        out_conn.close()
+        for _, out in pairs:
+            out.close()
 
 
-def _pump(conn: Any, commands: queue.SimpleQueue, ready: threading.Event) -> None:
-    """Move commands from the pipe to the loop's queue. End-of-file (the server is gone) stops
-    the loop, or, before the engine is ready, ends the process at once: no request can be in
+def _pump(conn: Any, commands: Any, ready: threading.Event) -> None:
+    """Move commands from the pipe to the loop's queue (or to a front end's inbox of the
+    router). End-of-file (the server is gone) stops the loop (with several front ends: that
+    one leaves), or, before the engine is ready, ends the process at once: no request can be in
     flight, and loading a large model to completion would hold its GPU memory for nothing (its
     tensor-parallel ranks exit with it)."""
     while True:
@@ -305,7 +419,8 @@ class _Emitter:
     :class:`~fastdeploy.core.outputs.EngineOutputList` (one list of field tuples in the pickle;
     the server unpickles a plain list of outputs)."""
 
-    def __init__(self, conn: Any, commands: queue.SimpleQueue) -> None:
+    def __init__(self, conn: Any, commands: Any) -> None:
+        # commands: where StopLoop goes when the pipe is closed (``put``)
         self.conn = conn
         self.commands = commands
         self.closed = False
