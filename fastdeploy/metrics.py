@@ -26,6 +26,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 #: unknown model (404), ``--max-concurrency`` reached (429), the engine loop stopped (503).
 REJECT_REASONS = ("invalid", "context_length", "model_not_found", "queue_full", "unavailable")
 
+#: How the engine's gauges combine over several API server processes (``--api-server-count``,
+#: Prometheus multiprocess mode): only the primary process sets them, the others leave them 0.
+ENGINE_GAUGE_MODE = "max"
+
 # Buckets in seconds; the same ladders vLLM and FastDeploy use for these three histograms.
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,9 +46,41 @@ class ServerMetrics:
 
     Thread-safety: prometheus_client metrics are thread-safe; :meth:`observe_stats` keeps the
     previous cumulative counts and must be called from one thread (the server's asyncio thread).
+
+    Several API server processes (``--api-server-count``) share one engine: each records its own
+    requests (TTFT, TPOT, latency, tokens, finishes, refusals) and the primary alone records the
+    engine's counters and gauges (``engine_stats``), which every process receives; with
+    ``multiprocess_dir`` the values live in prometheus_client's multiprocess files there
+    (``PROMETHEUS_MULTIPROC_DIR``, set before prometheus_client is imported) and :meth:`render`
+    sums the processes' counters and histograms.
+
+    Args:
+        registry: where the metrics are registered (a new registry by default).
+        multiprocess_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of the server's processes, or None.
+        engine_stats: whether :meth:`observe_stats` records (False in the non-primary API
+            server processes).
+
+    Raises:
+        RuntimeError: ``multiprocess_dir`` given, but prometheus_client was imported without
+            ``PROMETHEUS_MULTIPROC_DIR`` set (its values would not be shared).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        multiprocess_dir: str | None = None,
+        engine_stats: bool = True,
+    ) -> None:
+        if multiprocess_dir is not None:
+            from prometheus_client import values
+
+            if not getattr(values.ValueClass, "__name__", "").startswith("MmapedValue"):
+                raise RuntimeError(
+                    "prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set; "
+                    "set it before the server starts"
+                )
+        self.multiprocess_dir = multiprocess_dir
+        self.engine_stats = engine_stats
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -60,21 +96,34 @@ class ServerMetrics:
             registry=r,
         )
         self.num_running = Gauge(
-            "fastdeploy:num_requests_running", "Requests in the running batch.", registry=r
+            "fastdeploy:num_requests_running",
+            "Requests in the running batch.",
+            registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.num_waiting = Gauge(
-            "fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", registry=r
+            "fastdeploy:num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.kv_cache_usage = Gauge(
             "fastdeploy:gpu_cache_usage_perc",
             "KV cache usage, 0..1 (1 = all blocks used).",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.free_blocks = Gauge(
-            "fastdeploy:num_free_kv_blocks", "Free KV cache blocks.", registry=r
+            "fastdeploy:num_free_kv_blocks",
+            "Free KV cache blocks.",
+            registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.total_blocks = Gauge(
-            "fastdeploy:num_total_kv_blocks", "KV cache blocks in the pool.", registry=r
+            "fastdeploy:num_total_kv_blocks",
+            "KV cache blocks in the pool.",
+            registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.prompt_tokens = Counter(
             "fastdeploy:prompt_tokens", "Prompt tokens prefilled.", registry=r
@@ -122,11 +171,13 @@ class ServerMetrics:
             "fastdeploy:pd_pending_sends",
             "Finished prefill-leg requests whose KV blocks wait for a decode node.",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.pd_pending_send_blocks = Gauge(
             "fastdeploy:pd_pending_send_blocks",
             "KV blocks held for decode nodes (pending sends).",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.pd_released = Counter(
             "fastdeploy:pd_pending_sends_released",
@@ -141,6 +192,7 @@ class ServerMetrics:
             "fastdeploy:num_requests_waiting_for_remote_kv",
             "Decode-leg requests holding blocks while their KV is pulled.",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.kv_transfers = Counter(
             "fastdeploy:kv_transfers", "KV pulls completed by this decode node.", registry=r
@@ -182,16 +234,19 @@ class ServerMetrics:
             "fastdeploy:host_pending_stores",
             "KV blocks whose copy to the host tier is in flight (their device blocks are held).",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.host_cache_usage = Gauge(
             "fastdeploy:host_cache_usage_perc",
             "Host KV tier usage, 0..1 (1 = all host blocks used).",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self.num_waiting_for_swap_in = Gauge(
             "fastdeploy:num_requests_waiting_for_swap_in",
             "Requests holding blocks while their host-tier hits are copied back.",
             registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
         )
         self._last_totals: dict[str, float] = {}
         for reason in FINISH_REASONS:
@@ -206,8 +261,11 @@ class ServerMetrics:
     def observe_stats(self, stats: dict) -> None:
         """Update gauges and counters from one ``LLMEngine.get_stats()`` snapshot.
 
-        Unknown or missing keys are skipped, so a partial snapshot is fine.
+        Unknown or missing keys are skipped, so a partial snapshot is fine. Nothing is recorded
+        where ``engine_stats`` is False.
         """
+        if not self.engine_stats:
+            return
         if "num_running" in stats:
             self.num_running.set(stats["num_running"])
         if "num_waiting" in stats:
@@ -304,8 +362,15 @@ class ServerMetrics:
         self.rejected.labels(reason=reason).inc()
 
     def render(self) -> bytes:
-        """The registry in Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus text format (with ``multiprocess_dir``: every process's
+        values, combined)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry)
 
 
 class StepTokens:

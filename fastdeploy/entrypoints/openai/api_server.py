@@ -11,12 +11,17 @@ not need.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import atexit
 import errno
 import json
 import logging
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
@@ -78,6 +83,14 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         action="store_true",
         help="run the engine loop on a thread of the server process instead of a process of "
         "its own (one GIL: slower when the model's step is host-bound)",
+    )
+    server.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes serving the port, all in front of one engine process "
+        "(vLLM's flag): with many concurrent streams one process's event loop is the "
+        "bottleneck; --max-concurrency is shared out among them (default: 1)",
     )
     server.add_argument(
         "--log-level",
@@ -156,6 +169,7 @@ def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan)
         "served_model_name": served_name(args),
         "max_concurrency": args.max_concurrency,
         "engine_process": not args.disable_frontend_multiprocessing,
+        "api_server_count": args.api_server_count,
     }
     not_supported = config.not_supported_yet()
     return {
@@ -194,6 +208,24 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    count = args.api_server_count
+    if count < 1 or count > args.max_concurrency:
+        print(
+            f"error: --api-server-count={count} is invalid; allowed: 1..--max-concurrency "
+            f"({args.max_concurrency})",
+            file=sys.stderr,
+        )
+        return 2
+    if count > 1 and args.disable_frontend_multiprocessing:
+        print(
+            f"error: --api-server-count={count} is invalid with "
+            "--disable-frontend-multiprocessing (the API server processes share an engine "
+            "process); allowed: 1",
+            file=sys.stderr,
+        )
+        return 2
+    if count > 1 and not args.print_config:
+        _multiprocess_metrics_dir()  # before anything imports prometheus_client
     try:
         if not args.print_config:  # fail fast, before the model's config is even read
             from fastdeploy.engine.engine import check_device_available
@@ -216,6 +248,12 @@ def run_server(args: argparse.Namespace) -> int:
             return 0
         if config.parallel_config.node_rank > 0:
             return run_other_node(config)
+        role = config.parallel_config.splitwise_role
+        if count > 1 and role != "mixed":
+            raise ValueError(
+                f"--api-server-count={count} is not supported yet with --splitwise-role={role}; "
+                "allowed there: 1"
+            )
         if args.disable_frontend_multiprocessing:
             from fastdeploy.engine.engine import LLMEngine
 
@@ -224,7 +262,7 @@ def run_server(args: argparse.Namespace) -> int:
             from fastdeploy.engine.engine_core_proc import EngineCoreProcess, EngineStartError
 
             try:
-                core = EngineCoreProcess(config, plan, args.log_level)
+                core = EngineCoreProcess(config, plan, args.log_level, num_frontends=count)
             except EngineStartError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
@@ -234,34 +272,100 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if count == 1:
+        serve(args, core)
+        return 0
+    from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers, bind_listener
+
+    try:
+        sock = bind_listener(args.host, args.port)
+    except OSError as e:
+        core.kill()
+        print(f"error: --port={args.port} is invalid: cannot bind ({e.strerror})", file=sys.stderr)
+        return 2
+    workers = APIServerWorkers(args, config, core.extra_frontends, sock)
+    core.release_extra_frontends()
+    logger.info("%d API server processes serve %s:%d", count, args.host, sock.getsockname()[1])
+    serve(args, core, count=count, sock=sock, workers=workers)
+    return 0
+
+
+def serve(
+    args: argparse.Namespace,
+    core: Any,
+    index: int = 0,
+    count: int = 1,
+    sock: socket.socket | None = None,
+    workers: Any = None,
+) -> None:
+    """Run the app for ``core`` under uvicorn until SIGINT/SIGTERM (API server ``index`` of
+    ``count``; the first one's stop signals end the others, ``workers``, first). ``sock``: the
+    listening socket the processes share (None: uvicorn binds ``--host``/``--port``)."""
     import uvicorn
 
     from fastdeploy.core.gc_heap import freeze_startup_heap
     from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.openai.api_workers import concurrency_share
     from fastdeploy.entrypoints.openai.app import GracefulServer, build_app
+    from fastdeploy.metrics import ServerMetrics
 
-    engine = AsyncLLMEngine(core, max_concurrency=args.max_concurrency)
-    app = build_app(engine, served_name(args))
+    metrics = ServerMetrics(
+        multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR") if count > 1 else None,
+        engine_stats=index == 0,
+    )
+    engine = AsyncLLMEngine(
+        core,
+        max_concurrency=concurrency_share(args.max_concurrency, count, index),
+        metrics=metrics,
+    )
+    grace_s = args.timeout_graceful_shutdown
+
+    async def stop_workers() -> None:
+        await asyncio.to_thread(workers.stop, grace_s + 15)
+
+    app = build_app(
+        engine,
+        served_name(args),
+        before_shutdown=stop_workers if workers is not None else None,
+        api_server=(index, count),
+    )
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown, then our lifespan stops the engine) and
     # afterwards re-raises the signal to the handler installed before it ran. This one makes
     # that a normal return, so a signalled server exits 0 instead of dying by the signal.
     stopped_by: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
+    if index == 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         # A backstop only: GracefulServer ends the requests itself when the grace period is over.
-        timeout_graceful_shutdown=int(args.timeout_graceful_shutdown) + 5,
+        timeout_graceful_shutdown=int(grace_s) + 5,
     )
-    server = GracefulServer(config, engine, args.timeout_graceful_shutdown)
+    server = GracefulServer(
+        config,
+        engine,
+        grace_s,
+        on_shutdown=workers.signal_stop if workers is not None else None,
+        ignore_sigint=index > 0,
+    )
     freeze_startup_heap("api server", envs.FD_GC_FREEZE())  # full collections skip it
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
-    return 0
+
+
+def _multiprocess_metrics_dir() -> None:
+    """Point ``PROMETHEUS_MULTIPROC_DIR`` of this process and the API server processes it starts
+    at a new temporary directory, removed when this process exits (before prometheus_client is
+    imported); a directory the variable already names is used, and kept."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix="fastdeploy-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    atexit.register(shutil.rmtree, path, True)
 
 
 def run_other_node(config: FDConfig) -> int:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,10 +49,16 @@ logger = logging.getLogger("fastdeploy.api_server")
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+    engine: AsyncLLMEngine,
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
+    before_shutdown: Callable[[], Awaitable[None]] | None = None,
+    api_server: tuple[int, int] = (0, 1),
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. Its lifespan starts the engine loop and, on shutdown,
-    stops it (in-flight requests fail with 503) and releases the engine."""
+    awaits ``before_shutdown`` (the first of several API server processes waits for the others
+    there), then stops the loop (in-flight requests fail with 503) and releases the engine.
+    ``api_server``: this process's index and the number of API server processes
+    (``/v1/server_info``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,6 +67,8 @@ def build_app(
         try:
             yield
         finally:
+            if before_shutdown is not None:
+                await before_shutdown()
             await engine.shutdown()
             logger.info("engine loop stopped")
 
@@ -120,6 +131,7 @@ def build_app(
                 "max_model_len": engine.max_model_len,
                 "max_model_len_note": engine.max_model_len_note,
                 "max_concurrency": engine.max_concurrency,
+                "api_server": {"index": api_server[0], "count": api_server[1], "pid": os.getpid()},
                 "config": described.get("config"),
                 "graph_plan": described.get("graph_plan"),
                 "num_in_flight": engine.num_in_flight,
@@ -145,14 +157,35 @@ def build_app(
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, plus: once a shutdown has waited ``grace_s`` seconds for in-flight
     requests, they end with an error (503 or an SSE error event) and are aborted in the engine,
-    so their connections close normally instead of being cancelled by uvicorn."""
+    so their connections close normally instead of being cancelled by uvicorn.
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+    ``on_shutdown`` is called as the shutdown starts (the first API server process stops the
+    others then); ``ignore_sigint``: SIGINT does not stop this server (the API server processes
+    after the first, which the first one stops)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncLLMEngine,
+        grace_s: float,
+        on_shutdown: Callable[[], None] | None = None,
+        ignore_sigint: bool = False,
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
+        self.on_shutdown = on_shutdown
+        self.ignore_sigint = ignore_sigint
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.ignore_sigint and sig == signal.SIGINT:
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: Any = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+
         def expire() -> None:
             n = self.engine.fail_in_flight("the server is shutting down")
             if n:

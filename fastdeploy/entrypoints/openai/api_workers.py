@@ -1,0 +1,207 @@
+"""Several API server processes in front of one engine process (``--api-server-count N``, vLLM's
+flag and its design).
+
+Why: with many concurrent streams, one server process's asyncio thread does all the HTTP work (a
+socket write per streamed token per stream, each request's parsing and validation) and becomes
+the queue that new requests and their first tokens wait in. With N processes that work is
+spread over N cores, all serving the same port.
+
+How:
+
+* the first process (the one started from the command line) starts the engine process with N
+  pairs of pipes (:class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`), binds the
+  listening socket, and starts N - 1 more API server processes (:class:`APIServerWorkers`),
+  each given the socket, its pipes and a lifeline pipe; all N accept connections from the one
+  socket and serve them alike;
+* each process admits up to its share of ``--max-concurrency`` (:func:`concurrency_share`);
+* metrics: each process records its own requests, the first one also the engine's counters,
+  in prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``), so ``/metrics`` from
+  any process gives the whole server's numbers.
+
+Lifetime:
+
+* SIGINT/SIGTERM go to the first process, which stops the others (SIGTERM) as its own graceful
+  shutdown starts and waits for them before it stops the engine; the others ignore SIGINT, so a
+  Ctrl-C that reaches the whole process group is handled once;
+* if the first process dies, the others see their lifeline close and shut down gracefully;
+* if another process dies, the engine process aborts its requests (their KV blocks are freed)
+  and the rest serve on; the first process logs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastdeploy.config import FDConfig
+
+logger = logging.getLogger("fastdeploy.api_server")
+
+
+def concurrency_share(total: int, count: int, index: int) -> int:
+    """API server ``index``'s share of ``--max-concurrency`` ``total`` over ``count``
+    processes: equal parts, the remainder to the first ones (never below 1).
+
+    Raises:
+        ValueError: ``count`` < 1 or ``index`` outside ``0..count-1``.
+    """
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"index={index}, count={count} is invalid; allowed: 0 <= index < count")
+    return max(1, total // count + (1 if index < total % count else 0))
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening TCP socket every API server process accepts from (``SO_REUSEADDR``, as
+    uvicorn binds; backlog 2048, uvicorn's default).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class APIServerWorkers:
+    """The API server processes after the first: started here, stopped by :meth:`stop`.
+
+    Args:
+        args: the server's parsed arguments (pickled to each process).
+        config: the resolved config (for the tokenizer).
+        frontends: ``(cmd_conn, out_conn)`` per process (``EngineCoreProcess.extra_frontends``).
+        sock: the bound, listening socket.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        config: FDConfig,
+        frontends: list[tuple[Any, Any]],
+        sock: socket.socket,
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        count = len(frontends) + 1
+        self.procs: list[Any] = []
+        self._lifelines: list[Any] = []
+        self._stopping = False
+        for index, (cmd_conn, out_conn) in enumerate(frontends, start=1):
+            lifeline_recv, lifeline_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_api_worker,
+                args=(index, count, args, config, cmd_conn, out_conn, sock, lifeline_recv),
+                name=f"fastdeploy-api-server-{index}",
+            )
+            proc.start()
+            lifeline_recv.close()
+            self.procs.append(proc)
+            self._lifelines.append(lifeline_send)
+        threading.Thread(target=self._watch, name="fastdeploy-api-servers", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Log an API server process that exits while the server is not stopping."""
+        pending = {p.sentinel: (i, p) for i, p in enumerate(self.procs, start=1)}
+        while pending:
+            for sentinel in wait(list(pending)):
+                index, proc = pending.pop(sentinel)
+                proc.join(1)
+                if not self._stopping:
+                    logger.error(
+                        "API server %d (pid %d) exited with code %s; the engine aborted its "
+                        "requests, %d API server process(es) serve on",
+                        index,
+                        proc.pid,
+                        proc.exitcode,
+                        1 + sum(p.is_alive() for p in self.procs),
+                    )
+
+    def signal_stop(self) -> None:
+        """Start their graceful shutdowns (SIGTERM); idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+
+    def stop(self, timeout_s: float) -> bool:
+        """:meth:`signal_stop`, then wait up to ``timeout_s`` in all for them to exit; the ones
+        still running are killed. Blocking. Returns True when all exited by themselves."""
+        import time
+
+        self.signal_stop()
+        deadline = time.monotonic() + timeout_s
+        clean = True
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                clean = False
+                logger.error("API server process %d did not stop in time; killing it", proc.pid)
+                proc.kill()
+                proc.join(10)
+        for lifeline in self._lifelines:
+            lifeline.close()
+        return clean
+
+
+def run_api_worker(
+    index: int,
+    count: int,
+    args: argparse.Namespace,
+    config: FDConfig,
+    cmd_conn: Any,
+    out_conn: Any,
+    sock: socket.socket,
+    lifeline: Any,
+) -> None:
+    """Main function of API server process ``index`` (1..count-1): attach to the engine
+    process, serve ``sock`` until SIGTERM or the first process's end."""
+    from fastdeploy.engine.engine_core_proc import EngineCoreClient, EngineStartError
+    from fastdeploy.entrypoints.openai.api_server import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s",
+    )
+    # Outside uvicorn's own handlers (before it runs, and when it re-raises the signal that
+    # stopped it): SIGTERM ends the process with status 0; SIGINT is the first process's to
+    # handle (the server ignores it too: GracefulServer's ignore_sigint).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_0)
+    threading.Thread(
+        target=_watch_lifeline, args=(lifeline,), name="fastdeploy-lifeline", daemon=True
+    ).start()
+    try:
+        core = EngineCoreClient(config, cmd_conn, out_conn)
+    except EngineStartError as e:
+        logger.error("API server %d could not attach to the engine: %s", index, e)
+        raise SystemExit(1) from None
+    serve(args, core, index=index, count=count, sock=sock)
+
+
+def _exit_0(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _watch_lifeline(lifeline: Any) -> None:
+    """The first API server process is gone when its end of the lifeline closes: stop this one
+    the way it would have (SIGTERM, a graceful shutdown)."""
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
