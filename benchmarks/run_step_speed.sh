@@ -13,6 +13,12 @@
 #                with the SmolLM2-135M config.json and tokenizer works with --load-format dummy
 #   SERVE_ARGS   more engine arguments for the served and offline rows (e.g. --device cpu)
 #   NUM_PROMPTS  prompts of the served and offline rows (default 2048)
+#   NUM_CLIENTS  client processes driving the 64 streams of the served row (default 16): httpx
+#                spends about 70 us of CPU per streamed chunk on a host whose Python loop reads
+#                52 ms (host_speed.py), so at ~40,000 tok/s 8 processes of 8 streams are each
+#                40-80% busy on the H200 hosts (loop 68-140 ms) and their own queueing shows up in
+#                TTFT and in the streams' idle slots; 16 keep each client well under half busy
+#                (at most NUM_PROMPTS)
 #   VOCAB_SIZE   prompt token ids of the served row are below this (default 49152, SmolLM2)
 #   PORT         server port for the served row (default 8011)
 #   PYTHON       interpreter (default python3)
@@ -26,6 +32,8 @@ PORT=${PORT:-8011}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 NUM_PROMPTS=${NUM_PROMPTS:-2048}
+NUM_CLIENTS=${NUM_CLIENTS:-16}
+[ "$NUM_CLIENTS" -gt "$NUM_PROMPTS" ] && NUM_CLIENTS=$NUM_PROMPTS
 MODEL_ARGS=(--load-format dummy)
 [ -n "${SERVE_MODEL:-}" ] && MODEL_ARGS+=(--model "$SERVE_MODEL")
 # shellcheck disable=SC2206 # word splitting of SERVE_ARGS is intended
@@ -64,7 +72,7 @@ for part in $PARTS; do
         sleep 1
       done
       "$PY" "$HERE/benchmark_serving.py" --base-url "http://127.0.0.1:$PORT" --concurrency 64 \
-        --num-clients 8 --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 128 \
+        --num-clients "$NUM_CLIENTS" --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 128 \
         --vocab-size "${VOCAB_SIZE:-49152}" \
         --seed 3 --json "$OUT/served.json"
       kill -INT "$SERVER_PID"; wait "$SERVER_PID" || true; SERVER_PID=
