@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -20,6 +22,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_group_pids(pgid: int) -> list[int]:
+    """Pids of the processes still in process group ``pgid`` (a server started in a session of
+    its own, and every process it started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_server_utils import free_port, get_json, metric_samples, wait_until
+from http_server_utils import free_port, get_json, metric_samples, process_group_pids, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,16 +59,8 @@ class Servers:
         return self.log().count("Application startup complete") == COUNT
 
     def group(self) -> list[int]:
-        """Pids still in the server's session's process group."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.getpgid(int(entry.name)) == self.proc.pid:
-                        pids.append(int(entry.name))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        return pids
+        """Pids still in the server's process group (its children included)."""
+        return process_group_pids(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_server_utils import free_port, get_json, wait_until
+from http_server_utils import free_port, get_json, process_group_pids, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastdeploy.config import FDConfig
@@ -73,15 +73,7 @@ class Server:
 
     def group_alive(self) -> list[int]:
         """Pids still in the server's process group (its children included)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.getpgid(int(entry.name)) == self.proc.pid:
-                        pids.append(int(entry.name))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        return pids
+        return process_group_pids(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
