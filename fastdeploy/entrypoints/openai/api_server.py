@@ -89,8 +89,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         type=int,
         default=1,
         help="API server processes serving the port, all in front of one engine process "
-        "(vLLM's flag): with many concurrent streams one process's event loop is the "
-        "bottleneck; --max-concurrency is shared out among them (default: 1)",
+        "(vLLM's flag): spreads the HTTP and SSE work of many concurrent streams over more "
+        "cores; --max-concurrency is shared out among them (default: 1)",
     )
     server.add_argument(
         "--log-level",
