@@ -369,12 +369,14 @@ def run_engine_core(
         ).start()
     from fastdeploy.engine.engine import LLMEngine
 
+    flush = getattr(emit, "close", lambda: None)  # the router's sending threads
     try:
         engine = LLMEngine(config, graph_plan)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which prints it
         if not isinstance(e, (ValueError, OSError)):
             logger.exception("the engine failed to start")
         emit("error", portable_error(e))
+        flush()
         return
     try:
         ready.set()
@@ -389,6 +391,7 @@ def run_engine_core(
         )
         EngineLoop(engine, commands, emit).run()
     finally:
+        flush()
         engine.shutdown()
         for _, out in pairs:
             out.close()

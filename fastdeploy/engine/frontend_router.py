@@ -17,6 +17,13 @@ router then aborts the requests it still owned, so their KV blocks are freed, an
 end has left the loop gets ``StopLoop``. A request id that another front end already has in
 flight is refused (``fail`` with a ``ValueError``) instead of taking over its outputs.
 
+Each front end's messages are sent by a thread of its own (:class:`_Sender`), so a front end
+that stops reading (a hung process: its pipe fills up) never blocks the loop or the others; one
+whose oldest unsent message has waited :data:`STUCK_S` is cut off: it leaves as above, and its
+pipe is closed once its last send returns (it then sees the engine as gone). A front end without
+outputs in a step still gets the step's counters every :data:`STATS_EVERY_S` and whenever the
+engine has nothing left to run, so its ``/v1/server_info`` stays current.
+
 With one front end (the default) the router is not used: the pipes work as they always did.
 """
 
@@ -24,12 +31,90 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from fastdeploy.engine.engine_loop import AbortRequest, AddRequest, StopLoop
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a front end's oldest unsent message may wait before the engine cuts that front end
+#: off (its process has stopped reading: hung, stopped, swapping). Steps take milliseconds.
+STUCK_S = 10.0
+#: Seconds between the counters sent to a front end that has no outputs in the steps.
+STATS_EVERY_S = 0.1
+
+
+class _Sender:
+    """Sends one front end's messages, in order, from a thread of its own.
+
+    ``emit(kind, *args)`` is the blocking sender of the pipe (``_Emitter``); ``put`` never
+    blocks. :meth:`lag` is how long the oldest unsent message has waited; after :meth:`cut`,
+    nothing more is sent and the pipe is closed once the send in progress returns.
+    """
+
+    def __init__(self, emit: Callable[..., None], name: str) -> None:
+        self._emit = emit
+        self._items: deque = deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._sending_since: float | None = None
+        self._cut = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, kind: str, *args: Any) -> None:
+        with self._wake:
+            if self._cut or self._closed:
+                return
+            self._items.append((time.monotonic(), kind, args))
+            self._wake.notify()
+
+    def pending(self) -> int:
+        """Messages queued or being sent."""
+        return len(self._items) + (self._sending_since is not None)
+
+    def lag(self, now: float) -> float:
+        """Seconds the oldest message not yet sent has waited (0 when none waits)."""
+        since = self._sending_since
+        if since is None:
+            items = self._items
+            since = items[0][0] if items else None
+        return 0.0 if since is None else now - since
+
+    def cut(self) -> None:
+        """Send nothing more; close the pipe once the send in progress (if any) returns."""
+        with self._wake:
+            self._cut = True
+            self._items.clear()
+            self._wake.notify()
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued (waiting up to ``timeout_s``), then stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._items and not self._cut and not self._closed:
+                    self._wake.wait()
+                if self._cut or not self._items:
+                    break
+                queued, kind, args = self._items.popleft()
+                self._sending_since = queued
+            try:
+                self._emit(kind, *args)
+            finally:
+                self._sending_since = None
+        if self._cut:
+            conn = getattr(self._emit, "conn", None)
+            if conn is not None:
+                conn.close()
 
 
 class _Inbox:
@@ -75,9 +160,13 @@ class FrontendRouter:
             )
         self.commands = commands
         self.inboxes = [_Inbox(self, i) for i in range(num_frontends)]
-        self._emitters = [make_emitter(inbox) for inbox in self.inboxes]
+        self._senders = [
+            _Sender(make_emitter(inbox), f"fastdeploy-engine-send-{inbox.index}")
+            for inbox in self.inboxes
+        ]
         self._owners: dict[str, int] = {}
         self._left: set[int] = set()
+        self._last_sent = [0.0] * num_frontends  # time.monotonic() of each one's last step
         # Re-entrant: a send that finds its pipe closed makes that front end leave, inside the
         # send.
         self._lock = threading.RLock()
@@ -100,7 +189,7 @@ class FrontendRouter:
             if isinstance(cmd, AddRequest):
                 owner = self._owners.get(cmd.request_id)
                 if owner is not None:
-                    self._emitters[index](
+                    self._senders[index].put(
                         "fail",
                         cmd.request_id,
                         ValueError(
@@ -140,15 +229,17 @@ class FrontendRouter:
             with self._lock:
                 index = self._owners.pop(args[0], None)
                 if index is not None and index not in self._left:
-                    self._emitters[index](kind, *args)
+                    self._senders[index].put(kind, *args)
         else:
             with self._lock:
-                for index, emit in enumerate(self._emitters):
+                for index, sender in enumerate(self._senders):
                     if index not in self._left:
-                        emit(kind, *args)
+                        sender.put(kind, *args)
+        self._cut_stuck()
 
     def _step(self, outputs: list, stats: dict, now: float) -> None:
         groups: dict[int, list] = {}
+        idle = not stats.get("num_running") and not stats.get("num_waiting")
         with self._lock:
             owners = self._owners
             for o in outputs:
@@ -161,8 +252,37 @@ class FrontendRouter:
                 group.append(o)
                 if o.finished:
                     del owners[o.request_id]
-            for index, emit in enumerate(self._emitters):
-                group = groups.get(index)
-                if index in self._left or (group is None and index != 0):
+            for index, sender in enumerate(self._senders):
+                if index in self._left:
                     continue
-                emit("step", group or [], stats, now)
+                group = groups.get(index)
+                if group is None and index != 0 and not idle:
+                    if now - self._last_sent[index] < STATS_EVERY_S:
+                        continue  # nothing of its own: the counters now and then
+                sender.put("step", group or [], stats, now)
+                self._last_sent[index] = now
+
+    def _cut_stuck(self) -> None:
+        """Cut off each front end whose oldest unsent message has waited :data:`STUCK_S`."""
+        now = time.monotonic()
+        for index, sender in enumerate(self._senders):
+            if index not in self._left and sender.lag(now) > STUCK_S:
+                logger.error(
+                    "API server %d has not read its messages for %.0f s; cut off (its requests "
+                    "are aborted)",
+                    index,
+                    sender.lag(now),
+                )
+                self.leave(index)
+                sender.cut()
+
+    def pending(self) -> int:
+        """Messages queued or being sent, over all front ends."""
+        return sum(sender.pending() for sender in self._senders)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued for each front end (up to ``timeout_s`` in all), then stop the
+        sending threads; call before the pipes are closed."""
+        deadline = time.monotonic() + timeout_s
+        for sender in self._senders:
+            sender.close(max(0.0, deadline - time.monotonic()))
