@@ -60,12 +60,15 @@ RETRY_AFTER_S = 1
 
 
 class QueueFullError(RuntimeError):
-    """The server already holds ``max_concurrency`` requests; retry after ``retry_after`` s."""
+    """The server already holds ``max_concurrency`` requests; retry after ``retry_after`` s.
+    ``limit``: what the limit is, for the message (default ``--max-concurrency``)."""
 
-    def __init__(self, max_concurrency: int, retry_after: int = RETRY_AFTER_S) -> None:
+    def __init__(
+        self, max_concurrency: int, retry_after: int = RETRY_AFTER_S, limit: str | None = None
+    ) -> None:
         super().__init__(
             f"the server is at its limit of {max_concurrency} concurrent requests "
-            f"(--max-concurrency); retry after {retry_after} s"
+            f"({limit or '--max-concurrency'}); retry after {retry_after} s"
         )
         self.retry_after = retry_after
 
@@ -128,6 +131,8 @@ class AsyncLLMEngine:
         self.max_model_len_note: str | None = core.max_model_len_note
         self.vocab_size: int = core.vocab_size
         self.max_concurrency = max_concurrency
+        #: What ``max_concurrency`` is, for the 429 message (None: ``--max-concurrency``).
+        self.max_concurrency_note: str | None = None
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._processor = output_processor
         self._tracked: dict[str, _Tracked] = {}
@@ -202,7 +207,7 @@ class AsyncLLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
-            raise QueueFullError(self.max_concurrency)
+            raise QueueFullError(self.max_concurrency, limit=self.max_concurrency_note)
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
         outputs = RequestOutputs()
         self._tracked[request_id] = _Tracked(outputs, len(prompt_token_ids), time.monotonic())

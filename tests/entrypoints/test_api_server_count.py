@@ -170,6 +170,40 @@ def test_a_killed_first_process_takes_the_others_and_the_engine_with_it(tmp_path
         srv.kill()
 
 
+def test_ctrl_c_right_after_the_engine_is_ready_stops_everything(tmp_path):
+    """A Ctrl-C (SIGINT to the whole group) as the API server processes are being started: it
+    used to leave the first process waiting at exit for an engine process that waited for it."""
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    args = ["--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "8"]
+    args += ["--max-model-len", "512", "--api-server-count", str(COUNT)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            MODULE + args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # as in a terminal (a non-interactive shell's background job ignores SIGINT)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+        wait_until(
+            lambda: b"is ready" in log_path.read_bytes() or proc.poll() is not None,
+            STARTUP_TIMEOUT_S,
+            "the engine process",
+        )
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) in (0, 130), log_path.read_text()
+        wait_until(lambda: not process_group_pids(proc.pid), 20, "no process left")
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in process_group_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_bad_counts_exit_2_naming_the_flag():
     for extra in (["--api-server-count", "0"], ["--api-server-count", "2",
                   "--disable-frontend-multiprocessing"]):  # fmt: skip

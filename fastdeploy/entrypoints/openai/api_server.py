@@ -172,6 +172,12 @@ def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan)
         "api_server_count": args.api_server_count,
     }
     not_supported = config.not_supported_yet()
+    role = config.parallel_config.splitwise_role
+    if args.api_server_count > 1 and role != "mixed":
+        not_supported.append(
+            f"--api-server-count={args.api_server_count} with --splitwise-role={role} is not "
+            "supported yet; allowed there: 1"
+        )
     return {
         "config": config.to_dict(),
         "graph_plan": plan.to_dict(),
@@ -272,22 +278,40 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if count == 1:
-        serve(args, core)
-        return 0
-    from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers, bind_listener
-
+    workers = None
     try:
-        sock = bind_listener(args.host, args.port)
-    except OSError as e:
-        core.kill()
-        print(f"error: --port={args.port} is invalid: cannot bind ({e.strerror})", file=sys.stderr)
-        return 2
-    workers = APIServerWorkers(args, config, core.extra_frontends, sock)
-    core.release_extra_frontends()
-    logger.info("%d API server processes serve %s:%d", count, args.host, sock.getsockname()[1])
-    serve(args, core, count=count, sock=sock, workers=workers)
-    return 0
+        if count == 1:
+            serve(args, core)
+            return 0
+        from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers, bind_listener
+
+        try:
+            sock = bind_listener(args.host, args.port)
+        except OSError as e:
+            core.kill()
+            print(
+                f"error: --port={args.port} is invalid: cannot bind ({e.strerror})",
+                file=sys.stderr,
+            )
+            return 2
+        workers = APIServerWorkers(args, config, core.extra_frontends, sock)
+        core.release_extra_frontends()
+        logger.info("%d API server processes serve %s:%d", count, args.host, sock.getsockname()[1])
+        serve(args, core, count=count, sock=sock, workers=workers)
+        return 0
+    except KeyboardInterrupt:
+        # Before uvicorn took the signals (or after it gave them back): nothing is in flight.
+        # The engine process would otherwise wait for this process's pipe while this one's
+        # exit waits for it.
+        print("interrupted while the server was starting", file=sys.stderr)
+        if workers is not None:
+            workers.stop(5)
+        kill = getattr(core, "kill", None)
+        if kill is not None:
+            kill()
+        else:
+            core.shutdown()
+        return 130
 
 
 def serve(
@@ -318,6 +342,11 @@ def serve(
         max_concurrency=concurrency_share(args.max_concurrency, count, index),
         metrics=metrics,
     )
+    if count > 1:
+        engine.max_concurrency_note = (
+            f"this API server process's share of --max-concurrency={args.max_concurrency} "
+            f"over {count} processes"
+        )
     grace_s = args.timeout_graceful_shutdown
 
     async def stop_workers() -> None:
@@ -331,11 +360,19 @@ def serve(
     )
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown, then our lifespan stops the engine) and
     # afterwards re-raises the signal to the handler installed before it ran. This one makes
-    # that a normal return, so a signalled server exits 0 instead of dying by the signal.
+    # that a normal return, so a signalled server exits 0 instead of dying by the signal; a
+    # signal before uvicorn has started raises KeyboardInterrupt (run_server stops the engine).
     stopped_by: list[int] = []
+    started: list[Any] = []  # the uvicorn server, once made
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopped_by.append(signum)
+        if not (started and started[0].started):
+            raise KeyboardInterrupt
+
     if index == 0:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
+            signal.signal(sig, on_signal)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -351,6 +388,7 @@ def serve(
         on_shutdown=workers.signal_stop if workers is not None else None,
         ignore_sigint=index > 0,
     )
+    started.append(server)
     freeze_startup_heap("api server", envs.FD_GC_FREEZE())  # full collections skip it
     server.run(sockets=[sock] if sock is not None else None)
     if stopped_by:
@@ -360,8 +398,20 @@ def serve(
 def _multiprocess_metrics_dir() -> None:
     """Point ``PROMETHEUS_MULTIPROC_DIR`` of this process and the API server processes it starts
     at a new temporary directory, removed when this process exits (before prometheus_client is
-    imported); a directory the variable already names is used, and kept."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    imported); a directory the variable already names is used and kept, but the ``*.db`` files
+    of an earlier run in it are removed (they would be counted again)."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        # A previous server's files there would be summed with this one's.
+        stale = [f for f in os.listdir(given) if f.endswith(".db")] if os.path.isdir(given) else []
+        for name in stale:
+            os.remove(os.path.join(given, name))
+        if stale:
+            logger.warning(
+                "removed %d metrics files of an earlier run from PROMETHEUS_MULTIPROC_DIR=%s",
+                len(stale),
+                given,
+            )
         return
     path = tempfile.mkdtemp(prefix="fastdeploy-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path

@@ -102,6 +102,21 @@ class APIServerWorkers:
         self.procs: list[Any] = []
         self._lifelines: list[Any] = []
         self._stopping = False
+        # They start with SIGINT blocked (the signal mask is inherited through exec), so a
+        # Ctrl-C that reaches the whole group is the first process's alone, even while they
+        # import; here it is only held back until they have started.
+        try:
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._start(ctx, args, config, frontends, sock, count)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a held Ctrl-C raises here
+        except BaseException:
+            self.stop(5)  # they would wait for their lifelines, and this process's exit for them
+            raise
+        threading.Thread(target=self._watch, name="fastdeploy-api-servers", daemon=True).start()
+
+    def _start(self, ctx, args, config, frontends, sock, count) -> None:
         for index, (cmd_conn, out_conn) in enumerate(frontends, start=1):
             lifeline_recv, lifeline_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -113,7 +128,6 @@ class APIServerWorkers:
             lifeline_recv.close()
             self.procs.append(proc)
             self._lifelines.append(lifeline_send)
-        threading.Thread(target=self._watch, name="fastdeploy-api-servers", daemon=True).start()
 
     def _watch(self) -> None:
         """Log an API server process that exits while the server is not stopping."""
