@@ -44,6 +44,7 @@ import pickle
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastdeploy.core.outputs import EngineOutputList
@@ -107,6 +108,9 @@ class EngineCoreClient:
         self._reading = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emit: Emit | None = None
+        #: Called (on the loop's thread) after ``dead`` when the pipe from the engine closes
+        #: without a StopLoop from here: the engine process ended, or cut this front end off.
+        self.on_engine_lost: Callable[[], None] | None = None
         try:
             self._connect(config)
         except BaseException:
@@ -179,6 +183,8 @@ class EngineCoreClient:
             self._stop_reading()
             if not self._stopping:
                 self._emit("dead", EngineProcessExitedError(self._exit_note()))
+                if self.on_engine_lost is not None:
+                    self.on_engine_lost()
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -260,6 +266,7 @@ class EngineCoreProcess(EngineCoreClient):
         self._reading = False
         self._loop = None
         self._emit = None
+        self.on_engine_lost = None
         self.proc = ctx.Process(
             target=run_engine_core,
             args=(config, graph_plan, log_level, cmd_recv, out_send),

@@ -27,8 +27,10 @@ Lifetime:
   shutdown starts and waits for them before it stops the engine; the others ignore SIGINT, so a
   Ctrl-C that reaches the whole process group is handled once;
 * if the first process dies, the others see their lifeline close and shut down gracefully;
-* if another process dies, the engine process aborts its requests (their KV blocks are freed)
-  and the rest serve on; the first process logs it.
+* if another process dies, or leaves its messages unread for 10 s (hung: ``frontend_router.STUCK_S``), the engine
+  process aborts its requests (their KV blocks are freed) and the rest serve on; the first
+  process logs it; a process after the first that loses the engine (cut off, or the engine
+  died) shuts itself down, so the first one alone answers 503 when the engine is gone.
 """
 
 from __future__ import annotations
@@ -207,6 +209,9 @@ def run_api_worker(
     except EngineStartError as e:
         logger.error("API server %d could not attach to the engine: %s", index, e)
         raise SystemExit(1) from None
+    # Without the engine (it ended, or cut this process off as hung) this process leaves, so
+    # the others take its connections; the first one answers 503 if the engine is gone.
+    core.on_engine_lost = lambda: os.kill(os.getpid(), signal.SIGTERM)
     serve(args, core, index=index, count=count, sock=sock)
 
 
