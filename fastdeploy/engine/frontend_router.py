@@ -109,6 +109,8 @@ class _Sender:
                 self._sending_since = queued
             try:
                 self._emit(kind, *args)
+            except Exception:  # noqa: BLE001 - one bad message must not end this front end
+                logger.exception("could not send a %r message to an API server", kind)
             finally:
                 self._sending_since = None
         if self._cut:
