@@ -30,6 +30,14 @@ COUNT = 3
 BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "temperature": 0}
 
 
+def metrics_env(tmp_path: Path) -> dict[str, str]:
+    """The environment with the server's Prometheus files under ``tmp_path``: a server killed
+    with SIGKILL cannot remove the temporary directory it would make itself."""
+    path = tmp_path / "metrics"
+    path.mkdir(exist_ok=True)
+    return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(path)}
+
+
 class Servers:
     """The server's first process (in its own session), logging to a file."""
 
@@ -42,7 +50,11 @@ class Servers:
         args += ["--api-server-count", str(COUNT), *extra]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                MODULE + args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                MODULE + args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=metrics_env(tmp_path),
             )
         try:
             wait_until(self.all_ready, STARTUP_TIMEOUT_S, "every API server process")
@@ -183,6 +195,7 @@ def test_ctrl_c_right_after_the_engine_is_ready_stops_everything(tmp_path):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=metrics_env(tmp_path),
             # as in a terminal (a non-interactive shell's background job ignores SIGINT)
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
