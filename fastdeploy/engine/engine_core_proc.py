@@ -102,6 +102,11 @@ class EngineCoreClient:
     """
 
     def __init__(self, config: FDConfig, cmd_conn: Any, out_conn: Any) -> None:
+        self._attach(config, cmd_conn, out_conn)
+
+    def _attach(self, config: FDConfig, cmd_conn: Any, out_conn: Any) -> None:
+        """Take the pipes, load the tokenizer and wait for the engine's ``ready`` (on failure:
+        :meth:`kill`, then raise)."""
         self._cmd, self._out = cmd_conn, out_conn
         self._send_lock = threading.Lock()
         self._stopping = False
@@ -260,13 +265,6 @@ class EngineCoreProcess(EngineCoreClient):
         #: ``(cmd_conn, out_conn)`` of each other front end, for :class:`EngineCoreClient`
         #: in its process; :meth:`release_extra_frontends` closes this process's copies.
         self.extra_frontends = [(c_send, o_recv) for (_, c_send), (o_recv, _) in extra]
-        self._cmd, self._out = cmd_send, out_recv
-        self._send_lock = threading.Lock()
-        self._stopping = False
-        self._reading = False
-        self._loop = None
-        self._emit = None
-        self.on_engine_lost = None
         self.proc = ctx.Process(
             target=run_engine_core,
             args=(config, graph_plan, log_level, cmd_recv, out_send),
@@ -277,11 +275,7 @@ class EngineCoreProcess(EngineCoreClient):
             self.proc.start()
         for conn in [cmd_recv, out_send] + [c for pair in extra for c in (pair[0][0], pair[1][1])]:
             conn.close()
-        try:
-            self._connect(config)
-        except BaseException:
-            self.kill()
-            raise
+        self._attach(config, cmd_send, out_recv)
         logger.info("engine process %d is ready", self.proc.pid)
 
     def _engine_alive(self) -> bool:

@@ -143,7 +143,8 @@ class FrontendRouter:
         num_frontends: N >= 2.
 
     Threads: :meth:`command` runs on the front ends' pump threads, :meth:`__call__` on the loop's
-    thread; a lock guards the owner map and serialises the sends to each front end.
+    thread, the sends on each front end's :class:`_Sender` thread (which calls :meth:`leave`
+    when its pipe is closed); a lock guards the owner map and the set of front ends that left.
 
     Raises:
         ValueError: ``num_frontends`` < 2.
@@ -169,9 +170,7 @@ class FrontendRouter:
         self._owners: dict[str, int] = {}
         self._left: set[int] = set()
         self._last_sent = [0.0] * num_frontends  # time.monotonic() of each one's last step
-        # Re-entrant: a send that finds its pipe closed makes that front end leave, inside the
-        # send.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
 
     @property
     def num_owned(self) -> int:

@@ -125,20 +125,32 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
         return
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"{flag}={port!r} is invalid; allowed: a TCP port in 1..65535")
+    bind_port(host, port, flag).close()
+
+
+def bind_port(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A TCP socket bound to ``host:port`` as uvicorn binds (``SO_REUSEADDR``), not listening
+    yet. ``flag`` names the option in the error.
+
+    Raises:
+        ValueError: the address cannot be bound, naming it and why.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            hint = (
-                f"another process is listening there; stop it or pick another {flag}"
-                if e.errno == errno.EADDRINUSE
-                else f"check the host and {flag}"
-            )
-            raise ValueError(
-                f"{flag}={port} is invalid: cannot bind {host}:{port} ({e.strerror}); {hint}"
-            ) from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = (
+            f"another process is listening there; stop it or pick another {flag}"
+            if e.errno == errno.EADDRINUSE
+            else f"check the host and {flag}"
+        )
+        raise ValueError(
+            f"{flag}={port} is invalid: cannot bind {host}:{port} ({e.strerror}); {hint}"
+        ) from None
+    return sock
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -283,17 +295,15 @@ def run_server(args: argparse.Namespace) -> int:
         if count == 1:
             serve(args, core)
             return 0
-        from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers, bind_listener
+        from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers
 
         try:
-            sock = bind_listener(args.host, args.port)
-        except OSError as e:
+            sock = bind_port(args.host, args.port)
+        except ValueError as e:
             core.kill()
-            print(
-                f"error: --port={args.port} is invalid: cannot bind ({e.strerror})",
-                file=sys.stderr,
-            )
+            print(f"error: {e}", file=sys.stderr)
             return 2
+        sock.listen(2048)  # uvicorn's default backlog; every API server process accepts here
         workers = APIServerWorkers(args, config, core.extra_frontends, sock)
         core.release_extra_frontends()
         logger.info("%d API server processes serve %s:%d", count, args.host, sock.getsockname()[1])
@@ -386,7 +396,6 @@ def serve(
         engine,
         grace_s,
         on_shutdown=workers.signal_stop if workers is not None else None,
-        ignore_sigint=index > 0,
     )
     started.append(server)
     freeze_startup_heap("api server", envs.FD_GC_FREEZE())  # full collections skip it

@@ -24,13 +24,14 @@ How:
 Lifetime:
 
 * SIGINT/SIGTERM go to the first process, which stops the others (SIGTERM) as its own graceful
-  shutdown starts and waits for them before it stops the engine; the others ignore SIGINT, so a
-  Ctrl-C that reaches the whole process group is handled once;
+  shutdown starts and waits for them before it stops the engine; the others start with SIGINT
+  blocked, so a Ctrl-C that reaches the whole process group is handled once;
 * if the first process dies, the others see their lifeline close and shut down gracefully;
-* if another process dies, or leaves its messages unread for 10 s (hung: ``frontend_router.STUCK_S``), the engine
-  process aborts its requests (their KV blocks are freed) and the rest serve on; the first
-  process logs it; a process after the first that loses the engine (cut off, or the engine
-  died) shuts itself down, so the first one alone answers 503 when the engine is gone.
+* if another process dies, or leaves its messages unread for 10 s (hung:
+  ``frontend_router.STUCK_S``), the engine process aborts its requests (their KV blocks are
+  freed) and the rest serve on; the first process logs it; a process after the first that loses
+  the engine (cut off, or the engine died) shuts itself down, so the first one alone answers 503
+  when the engine is gone.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
+import time
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import socket
+
     from fastdeploy.config import FDConfig
 
 logger = logging.getLogger("fastdeploy.api_server")
@@ -61,25 +64,6 @@ def concurrency_share(total: int, count: int, index: int) -> int:
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"index={index}, count={count} is invalid; allowed: 0 <= index < count")
     return max(1, total // count + (1 if index < total % count else 0))
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The listening TCP socket every API server process accepts from (``SO_REUSEADDR``, as
-    uvicorn binds; backlog 2048, uvicorn's default).
-
-    Raises:
-        OSError: the address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class APIServerWorkers:
@@ -160,8 +144,6 @@ class APIServerWorkers:
     def stop(self, timeout_s: float) -> bool:
         """:meth:`signal_stop`, then wait up to ``timeout_s`` in all for them to exit; the ones
         still running are killed. Blocking. Returns True when all exited by themselves."""
-        import time
-
         self.signal_stop()
         deadline = time.monotonic() + timeout_s
         clean = True
@@ -196,10 +178,9 @@ def run_api_worker(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s",
     )
-    # Outside uvicorn's own handlers (before it runs, and when it re-raises the signal that
-    # stopped it): SIGTERM ends the process with status 0; SIGINT is the first process's to
-    # handle (the server ignores it too: GracefulServer's ignore_sigint).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGINT stays blocked (the mask this process started with: APIServerWorkers); SIGTERM,
+    # outside uvicorn's own handler (before it runs, and when it re-raises the signal that
+    # stopped it), ends the process with status 0.
     signal.signal(signal.SIGTERM, _exit_0)
     threading.Thread(
         target=_watch_lifeline, args=(lifeline,), name="fastdeploy-lifeline", daemon=True

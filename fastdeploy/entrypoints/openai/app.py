@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -160,8 +159,7 @@ class GracefulServer(uvicorn.Server):
     so their connections close normally instead of being cancelled by uvicorn.
 
     ``on_shutdown`` is called as the shutdown starts (the first API server process stops the
-    others then); ``ignore_sigint``: SIGINT does not stop this server (the API server processes
-    after the first, which the first one stops)."""
+    others then)."""
 
     def __init__(
         self,
@@ -169,18 +167,11 @@ class GracefulServer(uvicorn.Server):
         engine: AsyncLLMEngine,
         grace_s: float,
         on_shutdown: Callable[[], None] | None = None,
-        ignore_sigint: bool = False,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
         self.on_shutdown = on_shutdown
-        self.ignore_sigint = ignore_sigint
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.ignore_sigint and sig == signal.SIGINT:
-            return
-        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: Any = None) -> None:
         if self.on_shutdown is not None:
