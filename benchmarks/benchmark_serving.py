@@ -65,6 +65,13 @@ class RequestResult:
     #: the server does not report them (``cached_tokens_reported`` False)
     cached_tokens: int = 0
     cached_tokens_reported: bool = False
+    #: when it was sent (``time.perf_counter`` seconds: ``CLOCK_MONOTONIC`` on Linux, the clock a
+    #: server on the same host stamps with ``time.monotonic``), the response's ``id``, and which
+    #: closed-loop client sent it (``--concurrency``; None with ``--request-rate``): for joining
+    #: a run with a server-side trace (``benchmarks/request_trace_report.py``)
+    start: float = 0.0
+    request_id: str | None = None
+    stream: int | None = None
 
 
 def make_prompts(
@@ -98,7 +105,7 @@ async def run_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = last = time.perf_counter()
+    start = last = result.start = time.perf_counter()
     counted = 0
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -109,6 +116,8 @@ async def run_one(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if result.request_id is None:
+                    result.request_id = chunk.get("id")
                 usage = chunk.get("usage")
                 if usage:
                     result.output_len = usage["completion_tokens"]
@@ -142,9 +151,11 @@ async def drive(
     request_rate: float | None,
     seed: int,
     start_at: float | None = None,
+    stream_base: int = 0,
 ) -> tuple[dict[int, RequestResult], float, float]:
     """Send ``items`` (index, prompt, max tokens): ``concurrency`` clients back to back, or
-    Poisson arrivals at ``request_rate``. Starts at ``time.time() == start_at`` when given.
+    Poisson arrivals at ``request_rate``. Starts at ``time.time() == start_at`` when given; the
+    clients are numbered from ``stream_base`` (``RequestResult.stream``).
     Returns the results by index and the run's start and end (``time.time()`` seconds)."""
     timeout = httpx.Timeout(args.timeout_s, connect=10)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -169,19 +180,23 @@ async def drive(
         else:
             pending = list(items)
 
-            async def client_loop() -> None:
+            async def client_loop(k: int) -> None:
                 while pending:
                     i, prompt, max_tokens = pending.pop(0)
                     results[i] = await run_one(client, url, model, prompt, max_tokens)
+                    results[i].stream = stream_base + k
 
-            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+            await asyncio.gather(*(client_loop(k) for k in range(concurrency)))
     return results, start, time.time()
 
 
 def _drive_shard(args: argparse.Namespace, model: str, items: list, concurrency: int,
-                 request_rate: float | None, seed: int, start_at: float) -> tuple:  # fmt: skip
+                 request_rate: float | None, seed: int, start_at: float,
+                 stream_base: int = 0) -> tuple:  # fmt: skip
     """One client process of ``--num-clients``: :func:`drive` on its share."""
-    return asyncio.run(drive(args, model, items, concurrency, request_rate, seed, start_at))
+    return asyncio.run(
+        drive(args, model, items, concurrency, request_rate, seed, start_at, stream_base)
+    )
 
 
 async def prepare(args: argparse.Namespace) -> tuple[str, list[tuple[list[int], int]]]:
@@ -228,9 +243,10 @@ def run_benchmark(
 
         rate = args.request_rate / n if args.request_rate else None
         start_at = time.time() + 3.0  # the client processes start (import httpx) before this
+        counts = [args.concurrency // n + (k < args.concurrency % n) for k in range(n)]
         shares = [
-            (args, model, items[k::n], args.concurrency // n + (k < args.concurrency % n), rate,
-             args.seed + 1 + k, start_at)
+            (args, model, items[k::n], counts[k], rate, args.seed + 1 + k, start_at,
+             sum(counts[:k]))
             for k in range(n)
         ]  # fmt: skip
         ctx = multiprocessing.get_context("spawn")

@@ -18,6 +18,16 @@ commands queued before the step, adds and aborts; ``n_drain`` counts the drains 
 any), ``stats`` (the counters read after it; also offline where the caller reads them) and
 ``emit`` (the send of the step message).
 
+Requests are traced too, into ``<prefix>-req.<pid>.jsonl``, one JSON line per request and
+process, with ``time.monotonic`` seconds (the clock ``time.perf_counter`` also reads on Linux, so
+a client's times compare; ``benchmark_serving.py --json`` keeps each request's ``start`` and
+``request_id``): in the API server process ``create`` (the handler began), ``admit`` (queued),
+``first_end``/``fin_end`` (the engine's end of the step that gave the first/last output, from
+the step message), ``first_recv``/``fin_recv`` (the message reached the asyncio thread) and
+``sse_first``/``sse_end`` (the first event and the closing one left the stream); in the engine
+process ``add`` (the loop applied the request). ``benchmarks/request_trace_report.py`` joins
+them into the hops of a request.
+
 It wraps the methods by name, from outside the package (nothing in ``fastdeploy`` changes): a part
 whose method is gone or renamed is reported on stderr as skipped and left out. The wrappers cost
 about a microsecond a call; compare traced runs with traced runs. Another ``sitecustomize`` later
@@ -35,6 +45,7 @@ the trace, never the traced process.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import importlib
 import json
 import os
@@ -97,6 +108,9 @@ _current: dict = {}
 _before: dict = {}  # parts timed between steps, for the next step's record
 _records: list[dict] = []
 _clock = time.perf_counter
+_open_reqs: dict[str, dict] = {}  # request id -> its events so far (this process)
+_done_reqs: list[dict] = []
+_handler_start: contextvars.ContextVar = contextvars.ContextVar("step_trace_create", default=None)
 
 
 def _path() -> str:
@@ -115,6 +129,126 @@ def _flush() -> None:
             print(f"step trace: stopped, cannot write {_path()} ({e})", file=sys.stderr)
             _prefix = None
     _records.clear()
+
+
+def _req_path() -> str:
+    return f"{_prefix}-req.{os.getpid()}.jsonl"
+
+
+def _flush_reqs(everything: bool = False) -> None:
+    """Append the closed request records (and the open ones when ``everything``, at exit)."""
+    global _prefix
+    if everything:
+        _done_reqs.extend(_open_reqs.values())
+        _open_reqs.clear()
+    if _done_reqs and _prefix:
+        try:
+            with open(_req_path(), "a") as out:
+                out.writelines(json.dumps(r) + "\n" for r in _done_reqs)
+        except OSError as e:
+            print(f"step trace: stopped, cannot write {_req_path()} ({e})", file=sys.stderr)
+            _prefix = None
+    _done_reqs.clear()
+
+
+def _req_event(rid: str, key: str, t: float) -> None:
+    """Record ``key`` at ``t`` for request ``rid`` unless it has one already (first wins)."""
+    ev = _open_reqs.get(rid)
+    if ev is None:
+        ev = _open_reqs[rid] = {"rid": rid}
+    ev.setdefault(key, t)
+
+
+def _req_close(rid: str) -> None:
+    ev = _open_reqs.pop(rid, None)
+    if ev is not None:
+        _done_reqs.append(ev)
+        if len(_done_reqs) >= FLUSH_EVERY:
+            _flush_reqs()
+
+
+def _install_requests() -> None:
+    """The request events of the module docstring: the engine loop's here, the API server's
+    when its first ``AsyncLLMEngine`` is made (only a server process imports those modules)."""
+    from fastdeploy.engine import async_engine, engine_loop
+
+    add = engine_loop.EngineLoop._add
+
+    def traced_add(self, cmd, *args, **kwargs):
+        _done_reqs.append({"rid": cmd.request_id, "add": time.monotonic()})
+        if len(_done_reqs) >= FLUSH_EVERY:
+            _flush_reqs()
+        return add(self, cmd, *args, **kwargs)
+
+    engine_loop.EngineLoop._add = traced_add
+    init = async_engine.AsyncLLMEngine.__init__
+
+    def traced_init(self, *args, **kwargs):
+        async_engine.AsyncLLMEngine.__init__ = init
+        try:
+            _install_server(async_engine)
+        except (ImportError, AttributeError) as e:  # a part the code no longer has
+            print(f"step trace: server request events skipped ({e})", file=sys.stderr)
+        init(self, *args, **kwargs)
+
+    async_engine.AsyncLLMEngine.__init__ = traced_init
+    atexit.register(_flush_reqs, True)
+
+
+def _install_server(async_engine) -> None:
+    """The API server process's request events (see :func:`_install_requests`)."""
+    from fastdeploy.entrypoints.openai import serving_chat, serving_completion, serving_utils
+
+    for cls in (serving_completion.OpenAIServingCompletion, serving_chat.OpenAIServingChat):
+        create = cls.create
+
+        async def traced_create(self, *args, _inner=create, **kwargs):
+            token = _handler_start.set(time.monotonic())
+            try:
+                return await _inner(self, *args, **kwargs)
+            finally:
+                _handler_start.reset(token)
+
+        cls.create = traced_create
+    admit = serving_utils.OpenAIServing.admit
+
+    def traced_admit(self, request_id, *args, **kwargs):
+        now = time.monotonic()
+        _req_event(request_id, "create", _handler_start.get() or now)
+        _req_event(request_id, "admit", now)
+        return admit(self, request_id, *args, **kwargs)
+
+    serving_utils.OpenAIServing.admit = traced_admit
+    on_step = async_engine.AsyncLLMEngine._on_step
+
+    def traced_on_step(self, outputs, stats, now, *args, **kwargs):
+        t = time.monotonic()
+        for o in outputs:
+            _req_event(o.request_id, "first_end", now)
+            _req_event(o.request_id, "first_recv", t)
+            if o.finished:
+                _req_event(o.request_id, "fin_end", now)
+                _req_event(o.request_id, "fin_recv", t)
+        return on_step(self, outputs, stats, now, *args, **kwargs)
+
+    async_engine.AsyncLLMEngine._on_step = traced_on_step
+    for module in (serving_completion, serving_chat):
+        events = module.stream_events
+
+        def traced_events(stream, *args, _inner=events, **kwargs):
+            rid = stream.request_id
+
+            async def timed():
+                async for chunk in _inner(stream, *args, **kwargs):
+                    if chunk and "first_recv" in _open_reqs.get(rid, ()):  # not chat's role
+                        _req_event(rid, "sse_first", time.monotonic())
+                    yield chunk
+                _req_event(rid, "sse_end", time.monotonic())
+                _req_close(rid)
+
+            return timed()
+
+        module.stream_events = traced_events
 
 
 def _wrap(label: str, module: str, cls_name: str, method: str) -> None:
@@ -230,5 +364,6 @@ if _prefix:
                 f"STEP_TRACE={_prefix!r}: need a file name prefix in a writable directory"
             )
         _install()
+        _install_requests()
     except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the process it watches
         print(f"step trace: not installed ({e})", file=sys.stderr)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import load_benchmark_module
 from tiny_models import tiny_llama
 
@@ -163,3 +164,48 @@ def test_the_engine_loop_of_a_server_records_drain_stats_and_emit(tmp_path):
     assert "drain" not in looped[0]
     assert all(r["drain"] > 0 and r["n_drain"] == 0 for r in looped[1:])
     assert generated and not any({"emit", "stats", "drain"} & set(r) for r in generated)
+    # The loop applied both requests (request events; generate() adds without the loop).
+    (req_trace,) = tmp_path.glob("tr-req.*.jsonl")
+    added = [json.loads(line) for line in req_trace.read_text().splitlines()]
+    assert [r["rid"] for r in added] == ["a", "b"]
+    assert all(0 < r["add"] < looped[1]["t0"] for r in added)  # before the step that ran them
+
+
+def test_the_request_report_joins_client_and_server_events(tmp_path, capsys):
+    report = load_benchmark_module("request_trace_report")
+
+    def result(rid, start, ttft, e2e, stream=0):
+        return {"request_id": rid, "start": start, "ttft": ttft, "e2e": e2e, "stream": stream,
+                "error": None}  # fmt: skip
+
+    client = tmp_path / "client.json"
+    results = [
+        result("r1", 10.0, 0.020, 0.200),
+        result("r2", 10.203, 0.010, 0.100),
+        result("lost", 11.0, 0.01, 0.1),  # not in the traces
+        {**result("bad", 12.0, 0, 0), "error": "HTTP 500"},
+    ]
+    client.write_text(json.dumps({"results": results}))
+    server = tmp_path / "srv-req.1.jsonl"  # the API server process
+    server.write_text(
+        json.dumps({"rid": "r1", "create": 10.001, "admit": 10.002, "first_end": 10.015,
+                    "first_recv": 10.016, "sse_first": 10.017, "fin_end": 10.196,
+                    "fin_recv": 10.197, "sse_end": 10.198}) + "\n"
+        + json.dumps({"rid": "r2", "create": 10.204, "admit": 10.2045}) + "\n"
+    )  # fmt: skip
+    engine = tmp_path / "srv-req.2.jsonl"  # the engine process
+    engine.write_text(json.dumps({"rid": "r1", "add": 10.004}) + "\n"
+                      + json.dumps({"rid": "r2", "add": 10.206}) + "\n")  # fmt: skip
+    text = report.main([str(client), str(server), str(engine)])
+    rows = {line[:45].strip(): line[45:].split() for line in text.splitlines()[1:]}
+    assert text.splitlines()[1] == "first token, 2 requests (ms)"
+    assert rows["client send -> handler"] == ["1.000", "1.000", "1.000", "2"]  # r2: 1 ms too
+    assert rows["queued -> engine applied"][3] == "2"
+    assert rows["engine applied -> first token's step end"] == ["11.000", "11.000", "11.000", "1"]
+    assert rows["TTFT (client)"][3] == "2"
+    assert rows["client: end -> next send"] == ["3.000", "3.000", "3.000", "1"]
+    assert rows["slot gap (last step end -> next applied)"] == ["10.000", "10.000", "10.000", "1"]
+    other = tmp_path / "other-req.3.jsonl"  # another run's trace: no id in common
+    other.write_text(json.dumps({"rid": "x", "add": 1.0}) + "\n")
+    with pytest.raises(SystemExit, match="no request"):
+        report.main([str(client), str(other)])
