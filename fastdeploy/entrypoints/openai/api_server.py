@@ -340,7 +340,7 @@ def serve(
     from fastdeploy.core.gc_heap import freeze_startup_heap
     from fastdeploy.engine.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.api_workers import concurrency_share
-    from fastdeploy.entrypoints.openai.app import GracefulServer, build_app
+    from fastdeploy.entrypoints.openai.app import GracefulServer, build_app, check_http_stack
     from fastdeploy.metrics import ServerMetrics
 
     metrics = ServerMetrics(
@@ -358,6 +358,8 @@ def serve(
             f"over {count} processes"
         )
     grace_s = args.timeout_graceful_shutdown
+    if index == 0:
+        check_http_stack()
 
     async def stop_workers() -> None:
         await asyncio.to_thread(workers.stop, grace_s + 15)
