@@ -194,18 +194,19 @@ class GracefulServer(uvicorn.Server):
 def check_http_stack() -> list[str]:
     """The fast parts of uvicorn's stack that are missing: ``"uvloop"`` (its event loop) and
     ``"httptools"`` (its HTTP/1.1 parser), which uvicorn uses when they are installed
-    (``loop="auto"``, ``http="auto"``), falling back to asyncio's loop and h11. Without them the
-    server's asyncio thread spends about 40% more CPU per streamed token (17 against 12 us on a
-    2-core x86 VM, ``benchmarks/benchmark_server_overhead.py``), and that thread shares one core
-    among every stream. Logs a warning naming the missing ones and the fix; returns them."""
+    (``loop="auto"``, ``http="auto"``), falling back to asyncio's loop and h11. Without both the
+    server's asyncio thread spent about 40% more CPU per streamed token (17 against 12 us on a
+    2-core x86 VM, ``benchmarks/benchmark_server_overhead.py``), and that thread serves every
+    stream of the process; without httptools alone the H200 served row was about 1% slower.
+    Logs a warning naming the missing ones and the fix; returns them."""
     import importlib.util
 
     fallback = {"uvloop": "asyncio's event loop", "httptools": "h11"}
     missing = [name for name in fallback if importlib.util.find_spec(name) is None]
     if missing:
         logger.warning(
-            "%s not installed: uvicorn falls back to %s, which costs the server about 40%% more "
-            "CPU per streamed token (pip install %s)",
+            "%s not installed: uvicorn falls back to %s, which costs the server more CPU per "
+            "streamed token (pip install %s)",
             " and ".join(missing),
             " and ".join(fallback[name] for name in missing),
             " ".join(missing),

@@ -20,6 +20,11 @@ import torch
 
 from fastdeploy import envs
 
+#: The dtypes flashinfer's norm, rotary and activation kernels dispatch on; a float32 model on
+#: CUDA (``--dtype float32``) takes the torch reference ops (flashinfer 0.5's ``rmsnorm`` raises
+#: "failed to dispatch data type" for it).
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
 
 @functools.lru_cache(maxsize=1)
 def fused_ops_enabled() -> bool:
@@ -39,17 +44,26 @@ def reset() -> None:
 
 
 def use_flashinfer(x: torch.Tensor) -> bool:
-    """True when ``x`` is on CUDA, the fused ops are on (:func:`fused_ops_enabled`) and no
-    ``torch.compile`` is tracing: segments compiled at ``graph_opt_level`` 1 and 2 keep the
-    torch reference ops, which Inductor fuses its own way (dynamo cannot trace flashinfer's
-    JIT-loaded functions, nor the environment variable behind :func:`fused_ops_enabled`)."""
-    return x.is_cuda and not torch.compiler.is_compiling() and fused_ops_enabled()
+    """True when ``x`` is on CUDA, of a dtype in :data:`FUSED_DTYPES`, the fused ops are on
+    (:func:`fused_ops_enabled`) and no ``torch.compile`` is tracing: segments compiled at
+    ``graph_opt_level`` 1 and 2 keep the torch reference ops, which Inductor fuses its own way
+    (dynamo cannot trace flashinfer's JIT-loaded functions, nor the environment variable behind
+    :func:`fused_ops_enabled`)."""
+    return (
+        x.is_cuda
+        and x.dtype in FUSED_DTYPES
+        and not torch.compiler.is_compiling()
+        and fused_ops_enabled()
+    )
 
 
-def why_not_fused(device_type: str) -> str | None:
-    """Why the fused ops are off on ``device_type`` (``cuda``/``cpu``); None when they are on."""
+def why_not_fused(device_type: str, dtype: torch.dtype | None = None) -> str | None:
+    """Why the fused ops are off on ``device_type`` (``cuda``/``cpu``) for a model of ``dtype``
+    (None: any of :data:`FUSED_DTYPES`); None when they are on."""
     if device_type != "cuda":
         return f"device is {device_type}: torch reference ops"
+    if dtype is not None and dtype not in FUSED_DTYPES:
+        return f"dtype is {dtype}: flashinfer's kernels take float16 and bfloat16 only"
     if not envs.FD_USE_FUSED_OPS():
         return "FD_USE_FUSED_OPS=0"
     if importlib.util.find_spec("flashinfer") is None:
