@@ -41,13 +41,13 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastdeploy.core.outputs import EngineOutputList
-from fastdeploy.engine.command_pipes import PipeCommands
 from fastdeploy.engine.engine_loop import Command, Emit, EngineLoop, StopLoop
 
 if TYPE_CHECKING:
@@ -349,18 +349,25 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    commands: queue.SimpleQueue = queue.SimpleQueue()
     ready = threading.Event()
     pairs = [(cmd_conn, out_conn), *extra_frontends]
-    commands = PipeCommands([conn for conn, _ in pairs])
     if len(pairs) == 1:
         emit: Emit = _Emitter(out_conn, commands)
+        sinks: list[Any] = [commands]
     else:
         from fastdeploy.engine.frontend_router import FrontendRouter
 
         outs = iter([out for _, out in pairs])
         emit = FrontendRouter(commands, lambda inbox: _Emitter(next(outs), inbox), len(pairs))
-        commands.set_routes([inbox.put for inbox in emit.inboxes])
-    watcher = commands.watch_until_ready(ready)
+        sinks = emit.inboxes
+    for index, ((conn, _), sink) in enumerate(zip(pairs, sinks, strict=True)):
+        threading.Thread(
+            target=_pump,
+            args=(conn, sink, ready),
+            name=f"fastdeploy-engine-commands-{index}",
+            daemon=True,
+        ).start()
     from fastdeploy.engine.engine import LLMEngine
 
     flush = getattr(emit, "close", lambda: None)  # the router's sending threads
@@ -374,7 +381,6 @@ def run_engine_core(
         return
     try:
         ready.set()
-        watcher.join()  # from here on the loop's thread alone reads the pipes
         emit(
             "ready",
             {
@@ -388,9 +394,26 @@ def run_engine_core(
     finally:
         flush()
         engine.shutdown()
-        commands.close()
         for _, out in pairs:
             out.close()
+
+
+def _pump(conn: Any, commands: Any, ready: threading.Event) -> None:
+    """Move commands from the pipe to the loop's queue (or to a front end's inbox of the
+    router). End-of-file (the server is gone) stops the loop (with several front ends: that
+    one leaves), or, before the engine is ready, ends the process at once: no request can be in
+    flight, and loading a large model to completion would hold its GPU memory for nothing (its
+    tensor-parallel ranks exit with it)."""
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):
+            if not ready.is_set():
+                logger.error("the server process is gone before the engine was ready; exiting")
+                os._exit(1)
+            commands.put(StopLoop())
+            return
+        commands.put(cmd)
 
 
 class _Emitter:

@@ -263,6 +263,42 @@ def test_a_step_message_unpickles_as_the_same_plain_list_of_outputs():
     assert isinstance(back[1][2].error, ValueError) and back[1][2].finish_reason == "abort"
 
 
+def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monkeypatch):
+    """End-of-file on the command pipe: once ready the loop gets StopLoop (it then releases the
+    engine); while the engine still starts, the process exits at once."""
+    import multiprocessing
+    import queue
+    import threading
+
+    from fastdeploy.engine import engine_core_proc
+    from fastdeploy.engine.engine_loop import AbortRequest, StopLoop
+
+    exits = []
+
+    def fake_exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(engine_core_proc.os, "_exit", fake_exit)
+    for started in (True, False):
+        recv, send = multiprocessing.Pipe(duplex=False)
+        send.send(AbortRequest("r"))
+        send.close()
+        commands = queue.SimpleQueue()
+        ready = threading.Event()
+        if started:
+            ready.set()
+        try:
+            engine_core_proc._pump(recv, commands, ready)
+        except SystemExit:
+            pass
+        got = [commands.get_nowait() for _ in range(commands.qsize())]
+        if started:
+            assert got == [AbortRequest("r"), StopLoop()] and exits == []
+        else:
+            assert got == [AbortRequest("r")] and exits == [1]
+
+
 def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follows():
     """Adds that a step follows reach the server as that step's message only (its counters
     ride along); an add and abort when idle get a stats message of their own."""
