@@ -3,7 +3,8 @@ while its step messages are large: the server's asyncio thread writes commands w
 writes step messages, so neither pipe may wait on its reader. Run as a script; prints ``done N``.
 
 Used by ``test_engine_core_proc.py`` (a deadlock there would hang, so it runs this in a process
-of its own with a time limit). Arguments: requests, prompt tokens, text bytes per output.
+of its own with a time limit). Arguments: requests, prompt tokens, text bytes per output, and
+optionally max tokens per request (default 400).
 """
 
 from __future__ import annotations
@@ -97,13 +98,13 @@ def start_core(text: int):
     return core
 
 
-async def main(n: int, prompt_len: int, text: int) -> None:
+async def main(n: int, prompt_len: int, text: int, max_tokens: int = 400) -> None:
     from fastdeploy.core.sampling_params import SamplingParams
     from fastdeploy.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(start_core(text))
     engine.start()
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompt = [1000 + j % 60000 for j in range(prompt_len)]
 
     async def one(i: int) -> int:
@@ -118,4 +119,4 @@ async def main(n: int, prompt_len: int, text: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*map(int, sys.argv[1:4])))
+    asyncio.run(main(*map(int, sys.argv[1:5])))

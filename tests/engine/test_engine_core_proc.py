@@ -346,7 +346,18 @@ def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follow
     assert sent[2][1] == {"num_running": 0, "steps": 1}
 
 
-def test_a_burst_of_large_commands_during_large_step_messages_does_not_deadlock():
+@pytest.mark.parametrize(
+    "burst",
+    [
+        ("256", "1000", "20", "400"),
+        # step messages of 8 x 20 KB, more than a pipe's 64 KiB: the engine's send of one
+        # waits for the server, whose asyncio thread waits to send its commands; this one
+        # deadlocked an engine loop that read its pipes itself at each drain (0dda645)
+        ("256", "1000", "20000", "40"),
+    ],
+    ids=["small-steps", "steps-over-a-pipe"],
+)
+def test_a_burst_of_large_commands_during_large_step_messages_does_not_deadlock(burst):
     """The server writes commands on its asyncio thread while the engine process writes step
     messages; if the engine read its commands only between steps, both writes could wait on a
     full pipe for good (256 requests of 1,000 tokens while 8 streams run did, in review of
@@ -361,7 +372,7 @@ def test_a_burst_of_large_commands_during_large_step_messages_does_not_deadlock(
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here)]))
     proc = subprocess.Popen(
-        [sys.executable, str(here / "engine_proc_burst.py"), "256", "1000", "20"],
+        [sys.executable, str(here / "engine_proc_burst.py"), *burst],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
