@@ -120,15 +120,21 @@ def _path() -> str:
 def _flush() -> None:
     """Append the buffered records; a failed write is reported once and ends the trace, never
     the traced process (the engine calls this inside its step)."""
-    global _prefix
     if _records and _prefix:
-        try:
-            with open(_path(), "a") as out:
-                out.writelines(json.dumps(r) + "\n" for r in _records)
-        except OSError as e:
-            print(f"step trace: stopped, cannot write {_path()} ({e})", file=sys.stderr)
-            _prefix = None
+        _append(_path(), _records)
     _records.clear()
+
+
+def _append(path: str, records: list[dict]) -> None:
+    """Append ``records`` to ``path`` as JSON lines; on a failed write, say so once and end the
+    trace (``_prefix`` None)."""
+    global _prefix
+    try:
+        with open(path, "a") as out:
+            out.writelines(json.dumps(r) + "\n" for r in records)
+    except OSError as e:
+        print(f"step trace: stopped, cannot write {path} ({e})", file=sys.stderr)
+        _prefix = None
 
 
 def _req_path() -> str:
@@ -137,17 +143,11 @@ def _req_path() -> str:
 
 def _flush_reqs(everything: bool = False) -> None:
     """Append the closed request records (and the open ones when ``everything``, at exit)."""
-    global _prefix
     if everything:
         _done_reqs.extend(_open_reqs.values())
         _open_reqs.clear()
     if _done_reqs and _prefix:
-        try:
-            with open(_req_path(), "a") as out:
-                out.writelines(json.dumps(r) + "\n" for r in _done_reqs)
-        except OSError as e:
-            print(f"step trace: stopped, cannot write {_req_path()} ({e})", file=sys.stderr)
-            _prefix = None
+        _append(_req_path(), _done_reqs)
     _done_reqs.clear()
 
 
