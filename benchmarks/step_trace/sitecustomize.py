@@ -159,12 +159,17 @@ def _req_event(rid: str, key: str, t: float) -> None:
     ev.setdefault(key, t)
 
 
+def _req_done(ev: dict) -> None:
+    """Queue a finished record for the file, writing every :data:`FLUSH_EVERY` of them."""
+    _done_reqs.append(ev)
+    if len(_done_reqs) >= FLUSH_EVERY:
+        _flush_reqs()
+
+
 def _req_close(rid: str) -> None:
     ev = _open_reqs.pop(rid, None)
     if ev is not None:
-        _done_reqs.append(ev)
-        if len(_done_reqs) >= FLUSH_EVERY:
-            _flush_reqs()
+        _req_done(ev)
 
 
 def _install_requests() -> None:
@@ -175,9 +180,7 @@ def _install_requests() -> None:
     add = engine_loop.EngineLoop._add
 
     def traced_add(self, cmd, *args, **kwargs):
-        _done_reqs.append({"rid": cmd.request_id, "add": time.monotonic()})
-        if len(_done_reqs) >= FLUSH_EVERY:
-            _flush_reqs()
+        _req_done({"rid": cmd.request_id, "add": time.monotonic()})
         return add(self, cmd, *args, **kwargs)
 
     engine_loop.EngineLoop._add = traced_add
