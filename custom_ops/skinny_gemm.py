@@ -306,16 +306,19 @@ def skinny_linear_launch(
     *,
     config: tuple[int, int, int, int] | None = None,
     pdl: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """:func:`skinny_linear_triton` without its input check, for callers that already asked
     :func:`use_skinny` (the layers' ``linear``, once per call); ``out`` is still checked.
     ``pdl``: launch as a programmatic dependent launch (only where :func:`pdl_supported`).
+    ``out_dtype``: ``x``'s dtype (None) or ``torch.float32``, the float32 accumulators stored
+    unrounded (an LM head's logits; ``out``, when given, must be of that dtype).
 
     Raises:
-        ValueError: a wrong ``out``.
+        ValueError: a wrong ``out`` or ``out_dtype``.
     """
     config = config or pick_config(*weight.shape)
-    return _launch(x, weight, out, config, gated=False, pdl=pdl)
+    return _launch(x, weight, out, config, gated=False, pdl=pdl, out_dtype=out_dtype)
 
 
 def skinny_gated_silu_launch(
@@ -356,14 +359,18 @@ def _launch(
     *,
     gated: bool,
     pdl: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
+    dtype = x.dtype if out_dtype is None else out_dtype
+    if dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype={out_dtype} is not allowed; allowed: {x.dtype}, float32")
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        out = torch.empty(m, n, dtype=dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
         raise ValueError(
-            f"out must be [{m}, {n}] {x.dtype} with unit inner stride, got "
+            f"out must be [{m}, {n}] {dtype} with unit inner stride, got "
             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
     block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG

@@ -236,7 +236,7 @@ class GPUModelRunner:
                 argmax = tail[1].index_select(0, inputs.logits_indices)
         else:
             rows = hidden[:num_sampling] if every_row else hidden[inputs.logits_indices]
-            logits = self.model.compute_logits(rows, upcast=False)
+            logits = self.model.compute_logits(rows)
         if not self.is_driver:
             return PendingOutput.ready({})
         scheduled = sched.scheduled  # the requests that sample, as prepare() found them

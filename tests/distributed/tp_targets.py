@@ -144,7 +144,7 @@ def model_rank(rank: int, world: int, addr: str, out_dir: str, name: str) -> Non
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from paged_runner import PagedRunner
 
     from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group
@@ -194,7 +194,7 @@ def loader_rank(rank: int, world: int, addr: str, out_dir: str, sources: dict) -
     rank's shard by ``get_model``; write the largest logit difference and both greedy tokens."""
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from paged_runner import PagedRunner
 
     from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group
@@ -263,7 +263,7 @@ def fusion_rank(rank: int, world: int, addr: str, out_dir: str) -> None:
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model_executor"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from paged_runner import PagedRunner
 
     from fastdeploy.distributed.parallel_state import destroy_tp_group, init_tp_group

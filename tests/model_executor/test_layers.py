@@ -163,3 +163,23 @@ def test_torch_native_mixed_batch_matches_dense_attention():
         assert torch.allclose(out[start : start + new[i]], ref, atol=1e-5), i
         start += new[i]
     assert (out[-2:] == 0).all()
+
+
+def test_lm_head_returns_float32_logits_unrounded():
+    """A bf16 LM head sums in float32 and returns float32 logits, not rounded to bf16: bf16
+    logits near 20 are 0.125 apart, so a smaller margin became an exact tie (the France chat's
+    first token on the H200, 2026-12-04)."""
+    from fastdeploy.model_executor.layers.embeddings import LMHead
+
+    g = torch.Generator().manual_seed(0)
+    head = LMHead(300, 64, torch.bfloat16)
+    head.weight.data = (torch.randn(300, 64, generator=g) * 0.5).to(torch.bfloat16)
+    hidden = (torch.randn(5, 64, generator=g) * 4).to(torch.bfloat16)
+    exact = hidden.double() @ head.weight.double().t()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-4
+    rounded = exact.to(torch.bfloat16).double()
+    assert (rounded - exact).abs().max() > 1e-2  # what bf16 logits would have lost
+    out = torch.empty(5, 300)
+    assert head(hidden, out=out).data_ptr() == out.data_ptr() and torch.equal(out, logits)

@@ -122,9 +122,9 @@ def test_sampler_random_rows_never_pick_a_masked_token():
 
 
 def test_sampler_takes_model_dtype_logits():
-    """The runner passes the LM head's bf16 logits: a greedy step without processing or
-    logprobs takes their argmax as they are (the argmax of their exact float32 values, ties to
-    the first index), and a step that computes probabilities upcasts them first."""
+    """The LM head returns float32 logits, but the sampler still takes model-dtype ones: a
+    greedy step without processing or logprobs takes their argmax as they are (ties to the
+    first index), and a step that computes probabilities upcasts them first."""
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(8, 300, generator=g) * 4).to(torch.bfloat16)
     logits[3, 7] = logits[3, 250] = logits[3].max() + 1  # a tie

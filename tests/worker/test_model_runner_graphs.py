@@ -73,7 +73,7 @@ class EagerGraphs:
         self.sampled_replays.append((fits[0], num_rows))
         hidden = self._hidden
         index = self.runner.buffers.logits_indices[: fits[0]].clamp(0, hidden.shape[0] - 1)
-        logits = self.runner.model.compute_logits(hidden[index], upcast=False)
+        logits = self.runner.model.compute_logits(hidden[index])
         return logits, logits.argmax(dim=-1)
 
     def capture_full_decode(self, batch_size, input_ids, positions, batch, forward_meta) -> None:
@@ -92,7 +92,7 @@ class EagerGraphs:
         meta = ForwardMeta(backend, backend.build_metadata(batch), self.runner.kv_caches)
         hidden = self._run(input_ids, meta)
         if self.capture_logits:
-            logits = self.runner.model.compute_logits(hidden, upcast=False)
+            logits = self.runner.model.compute_logits(hidden)
             self.tails[bucket] = (logits, logits.argmax(dim=-1))
         return hidden
 

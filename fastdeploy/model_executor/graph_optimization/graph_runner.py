@@ -47,12 +47,12 @@ class CudaGraphRunner:
         pool: the one memory pool every graph shares (a new one when None).
         stream: the side stream graphs are captured on (a new one when None).
         capture_logits: the full decode graphs also compute the LM head of every row, into one
-            ``[largest decode bucket, vocab]`` buffer of the model's dtype that all decode
+            float32 ``[largest decode bucket, vocab]`` buffer that all decode
             buckets share, and its argmax (:func:`custom_ops.argmax_ops.argmax_rows`), so a
             decode step launches no logits or greedy sampling kernels of its own
             (:meth:`decode_logits`). The rows of a decode step nearly always all sample (a
             one-token prefill chunk short of its prompt's end does not, and the runner picks
-            the sampling rows). The model must have ``compute_logits(hidden, upcast=False,
+            the sampling rows). The model must have ``compute_logits(hidden,
             out=)`` and an ``lm_head.weight`` ``[vocab, hidden]`` (not under tensor
             parallelism, whose head all-gathers into a tensor of its own). With it, a piecewise
             step's sampled rows get their logits and argmax from a graph too
@@ -227,8 +227,8 @@ class CudaGraphRunner:
 
         if self._logits is None:
             weight = self.model.lm_head.weight
-            self._logits = torch.empty(
-                batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device
+            self._logits = torch.empty(  # float32: the LM head's logits are never rounded
+                batch_size, weight.shape[0], dtype=torch.float32, device=weight.device
             )
         if batch_size > self._logits.shape[0]:
             raise RuntimeError(
@@ -239,7 +239,7 @@ class CudaGraphRunner:
         model = self.model
 
         def tail(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = model.compute_logits(hidden, upcast=False, out=rows)
+            logits = model.compute_logits(hidden, out=rows)
             return logits, argmax_rows(logits)
 
         return tail

@@ -32,7 +32,9 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Hidden states ``[N, hidden]`` -> logits ``[N, vocab]`` (parameter dtype).
+    """Hidden states ``[N, hidden]`` -> float32 logits ``[N, vocab]``: the products are summed in
+    float32 and not rounded to the parameter dtype (:func:`~fastdeploy.model_executor.layers.
+    linear.linear_float32` says why: bf16 logits turn near-ties into exact ties).
 
     With tied embeddings (:meth:`tie_to`) the head shares the embedding's weight Parameter, so
     loading the embedding loads the head and checkpoints need no ``lm_head.weight``.
@@ -56,9 +58,10 @@ class LMHead(nn.Module):
         self.tied = True
 
     def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]``; into ``out`` (``[N, vocab]``, the weight's dtype)
-        when given (a decode graph writes its rows of one shared logits buffer)."""
-        return linear(hidden_states, self.weight, out=out)
+        """``[N, hidden]`` (the weight's dtype) -> float32 ``[N, vocab]``; into ``out``
+        (float32 ``[N, vocab]``) when given (a decode graph writes its rows of one shared logits
+        buffer)."""
+        return linear(hidden_states, self.weight, out=out, out_dtype=torch.float32)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

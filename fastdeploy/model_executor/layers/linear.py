@@ -61,6 +61,7 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``,
     all of one dtype and device.
@@ -73,13 +74,17 @@ def linear(
     the torch op, which Inductor lowers its own way.
 
     Args:
-        out: optional ``[T, N]`` tensor of the weight's dtype and device to write the result
-            into; ``x`` must then be 2-D.
+        out: optional ``[T, N]`` tensor (of ``out_dtype``, else the weight's dtype) on the
+            weight's device to write the result into; ``x`` must then be 2-D.
+        out_dtype: None (the weight's dtype) or ``torch.float32``: the float32 sums are
+            returned unrounded (:func:`linear_float32`; the LM head's logits).
 
     Raises:
         ValueError: ``FD_USE_SKINNY_GEMM`` is malformed, or ``out`` has the wrong shape or
             dtype on the kernel's path (``torch`` raises RuntimeError for it on cuBLAS's).
     """
+    if out_dtype is not None and out_dtype != weight.dtype:
+        return linear_float32(x, weight, bias, out, out_dtype)
     if _kernels_allowed(x, bias) and use_skinny(x, weight) and (out is None or out.stride(1) == 1):
         return skinny_linear_launch(x, weight, out, pdl=skinny_pdl(x.device))
     if out is None:
@@ -87,6 +92,49 @@ def linear(
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def linear_float32(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` of half-precision ``x [T, K]`` and ``weight [N, K]`` as float32
+    ``[T, N]``: products summed in float32 (as every path sums them) and returned without the
+    rounding to the weight's dtype.
+
+    Why: an LM head's bf16 output has a resolution of 2^-8 of a logit's magnitude (0.125 at
+    logits of 16 to 32). Two tokens whose float32 logits differ by less than that become an
+    exact tie, and argmax breaks it towards the lower token id. On the default model the France
+    chat's first token has a margin of 0.082 nats for "The" over "L" in HF float32; the fused
+    bf16 path's logits rounded it to an exact tie and the chat answered "L'Étoile, la
+    Marseillaise, ..." (H200, 2026-12-04). With float32 logits that path's margin is +0.009 to
+    +0.045 and it answers "The capital of France is Paris." HF ``transformers`` and vLLM round
+    logits to the model dtype; SGLang's ``--enable-fp32-lm-head`` keeps them in float32.
+
+    On CUDA: the skinny GEMM storing its float32 accumulators (1 to 16 rows, where
+    :func:`linear` would take it), else cuBLAS's ``torch.mm(..., out_dtype=torch.float32)``;
+    elsewhere the operands are upcast first (CPU bf16 is not a fast path).
+
+    Raises:
+        ValueError: ``out_dtype`` other than float32, or a wrong ``out`` on the kernel's path.
+    """
+    if out_dtype != torch.float32:
+        raise ValueError(f"out_dtype={out_dtype} is not supported; supported: torch.float32")
+    if x.dim() == 2 and _kernels_allowed(x, bias) and use_skinny(x, weight):
+        if out is None or out.stride(1) == 1:
+            pdl = skinny_pdl(x.device)
+            return skinny_linear_launch(x, weight, out, pdl=pdl, out_dtype=out_dtype)
+    if x.is_cuda and x.dim() == 2 and bias is None:
+        if out is None:
+            return torch.mm(x, weight.t(), out_dtype=out_dtype)
+        return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
+    flat = x.reshape(-1, x.shape[-1]).float()
+    result = F.linear(flat, weight.float(), None if bias is None else bias.float())
+    result = result.reshape(*x.shape[:-1], weight.shape[0])
+    return result if out is None else out.copy_(result)
 
 
 def gated_silu_linear(

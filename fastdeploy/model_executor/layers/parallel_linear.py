@@ -246,5 +246,5 @@ class ParallelLMHead(_VocabRange, LMHead):
         super().__init__(per_rank, hidden_size, dtype=dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden_states, self.weight)
+        local = linear(hidden_states, self.weight, out_dtype=torch.float32)
         return all_gather_last_dim(local, self.tp)[..., : self.full_vocab]

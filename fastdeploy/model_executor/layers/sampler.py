@@ -92,9 +92,9 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata, argmax: torch.Tensor | None = None
     ) -> SamplerOutput:
-        """Sample from ``logits`` ``[N, V]`` (not modified; float32, or the model dtype: a step of
-        greedy rows without logits processing or logprobs takes the argmax of them as they are,
-        which equals the argmax of their exact float32 values, and the others are upcast);
+        """Sample from ``logits`` ``[N, V]`` (not modified; float32 as the LM head returns them:
+        logits rounded to bf16 would turn near-ties into exact ties, which the argmax breaks
+        towards the lower token id; other dtypes are upcast where probabilities are computed);
         returns token ids int64 ``[N]`` and, when asked, log-probabilities of the raw
         distribution (before temperature, penalties, ``logit_bias`` and the ``min_tokens`` mask,
         as vLLM reports them).

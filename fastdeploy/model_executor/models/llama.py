@@ -385,24 +385,16 @@ class DecoderForCausalLM(HFWeightsMixin, nn.Module):
         return self.final_norm(hidden_states, residual)
 
     def compute_logits(
-        self, hidden_states: torch.Tensor, upcast: bool = True, out: torch.Tensor | None = None
+        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (the head runs in model dtype);
-        ``upcast=False`` keeps the model dtype (the sampler upcasts only where it computes
-        probabilities: a greedy argmax is the same on either). ``out`` (``[N, vocab_size]``,
-        model dtype; only with ``upcast=False``) receives the logits: a full decode graph writes
-        its rows of one buffer that every decode bucket shares.
-
-        Raises:
-            ValueError: ``out`` given with ``upcast=True``.
-        """
-        if out is not None and upcast:
-            raise ValueError("compute_logits(out=...) writes model-dtype logits; pass upcast=False")
+        """``[N, hidden_size]`` (model dtype) -> float32 ``[N, vocab_size]``, never rounded to
+        the model dtype (:class:`~fastdeploy.model_executor.layers.embeddings.LMHead`). ``out``
+        (float32 ``[N, vocab_size]``) receives the logits: a full decode graph writes its rows
+        of one buffer that every decode bucket shares."""
         if out is None:
-            logits = self.lm_head(hidden_states)
-        else:  # the tensor-parallel head (all-gathered logits) takes no out: never given one
-            logits = self.lm_head(hidden_states, out=out)
-        return logits.float() if upcast else logits
+            return self.lm_head(hidden_states)
+        # the tensor-parallel head (all-gathered logits) takes no out: never given one
+        return self.lm_head(hidden_states, out=out)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
