@@ -1,4 +1,11 @@
-"""Shared helpers of the GPU tests: dummy-weight engines of a preset shape and an HF reference."""
+"""Shared helpers of the GPU tests: dummy-weight engines of a preset shape and an HF reference.
+
+Random (dummy) weights prove shapes, memory, capture and that two paths run the same kernels;
+they carry no correctness claim: their logits are near-uniform, so the near-tie rule below
+accepts almost any divergence. Correctness on real weights is checked by
+``test_fused_ops_real_gpu.py`` (each fast op on the default GGUF's activations) and by the
+accuracy harness (``benchmarks/benchmark_accuracy.py``, HF float32 on the same device).
+"""
 
 from __future__ import annotations
 
