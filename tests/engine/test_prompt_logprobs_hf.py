@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import record_preemptions
+from support import default_model_hf_float32, record_preemptions
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.model_executor.model_loader.source import resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +29,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def hf_reference():
     """(tokenizer, prompts as ids, HF float32 ``[P, V]`` log-probabilities of each)."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        source = resolve_model(None, "auto")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    source, hf = default_model_hf_float32()
     tokenizer = source.load_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32
-    ).eval()
     ps = [tokenizer.encode(t) for t in TEXTS]
     with torch.inference_mode():
         refs = [hf(torch.tensor([ids])).logits[0].float().log_softmax(-1) for ids in ps]

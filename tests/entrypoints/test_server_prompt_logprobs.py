@@ -9,9 +9,9 @@ import httpx
 import pytest
 import torch
 from http_server_utils import serve_in_thread, wait_until
+from support import default_model_hf_float32
 
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.model_executor.model_loader.source import resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +23,9 @@ MEAN_TOL = 1e-3
 @pytest.fixture(scope="module")
 def server():
     """(url, engine, tokenizer, HF float32 log-probabilities of a token list)."""
-    from transformers import AutoModelForCausalLM
-
     from fastdeploy.engine.engine import LLMEngine
 
-    try:
-        source = resolve_model(None, "auto")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    hf = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32
-    ).eval()
+    _, hf = default_model_hf_float32()
 
     def hf_logprobs(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
