@@ -114,8 +114,9 @@ class KVCacheManager:
     def max_hit_blocks(self, request: Request) -> int:
         """Most leading blocks of ``request`` that a prefix-cache hit may cover (on any tier):
         full blocks strictly below its last token, so at least one token is computed (a logit
-        to sample) and no token of a shared block is recomputed."""
-        return (request.num_tokens - 1) // self.block_size
+        to sample) and no token of a shared block is recomputed; see
+        ``Request.max_prefix_hit_tokens`` (a request owing prompt logprobs reads no hit)."""
+        return request.max_prefix_hit_tokens // self.block_size
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Chain hashes of the request's first ``num_blocks`` full blocks (fewer when it has

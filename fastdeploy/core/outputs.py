@@ -24,6 +24,12 @@ class EngineOutput:
     (where its KV waits; vLLM's field). ``error`` ends a request with a failure the client must
     see (``core.errors.KVTransferError``, ``KVWaitTimeoutError``); such an output is finished
     with reason ``abort`` and carries no token.
+
+    ``prompt_logprobs`` (a request with ``SamplingParams.prompt_logprobs``) is set on the
+    request's FIRST output only, whole: one entry per prompt token, ``None`` for position 0, then
+    ``{"token_id", "logprob", "rank", "top_logprobs": [(id, lp)]}`` (the generated-token shape plus
+    the prompt token's ``rank``, 1 + tokens more likely, vLLM's). A re-prefill after preemption
+    never sends it again.
     """
 
     request_id: str
@@ -37,6 +43,7 @@ class EngineOutput:
     stop_reason: str | int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: BaseException | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
     def __reduce__(self) -> tuple:
         """Pickled as the constructor's positional arguments: the engine process sends one

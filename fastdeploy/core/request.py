@@ -137,6 +137,12 @@ class Request:
     ``eos_token_ids`` (the model's eos ids) and ``detokenizer`` (its incremental detokenizer,
     an ``engine.detokenizer.IncrementalDetokenizer`` or None without a tokenizer).
 
+    Prompt log-probabilities (``sampling_params.prompt_logprobs``): ``prompt_logprobs`` holds
+    the entries computed so far (``[None]`` for position 0, then one dict per prompt position, see
+    :attr:`EngineOutput.prompt_logprobs`); ``num_prompt_logprob_rows`` counts the token rows
+    ``0..n-1`` of launched steps whose logits gave them (row ``j`` scores prompt token ``j + 1``).
+    It survives preemption, so a re-prefill computes and emits no position twice.
+
     Prefill/decode disaggregation: ``remote_decode`` marks a prefill-leg request (its blocks are
     held for a decode node when it finishes); ``remote_prefill`` is, on a decode node, where the
     prompt's KV waits (a ``splitwise.protocol.RemotePrefill``), None once it was pulled or when
@@ -163,6 +169,31 @@ class Request:
     remote_decode: bool = False
     remote_prefill: Any = field(default=None, repr=False)
     num_output_placeholders: int = 0
+    prompt_logprobs: list[dict | None] | None = field(default=None, repr=False)
+    num_prompt_logprob_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # position 0 has no logprob (nothing precedes it)
+
+    @property
+    def num_prompt_logprob_rows_left(self) -> int:
+        """Token rows whose logits still owe prompt log-probabilities: 0 unless
+        ``prompt_logprobs`` was asked, else rows ``num_prompt_logprob_rows .. P-2``."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - self.num_prompt_logprob_rows)
+
+    @property
+    def max_prefix_hit_tokens(self) -> int:
+        """The most leading tokens a prefix-cache hit (device or host tier) may cover: all but
+        the last token (a logit to sample), and for a request with ``prompt_logprobs`` only rows
+        whose log-probabilities are already computed (a cached token has no logit; vLLM's rule:
+        such a request does not read the cache on its first admission)."""
+        limit = self.num_tokens - 1
+        if self.num_prompt_logprob_rows_left:
+            limit = min(limit, self.num_prompt_logprob_rows)
+        return limit
 
     @property
     def num_prompt_tokens(self) -> int:

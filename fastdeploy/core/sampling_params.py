@@ -30,7 +30,14 @@ class SamplingParams:
     ``seed`` makes a sampled request reproducible whatever it is batched with, and through a
     preemption. ``logprobs=N`` returns the log-probability of the chosen token and of the top N
     tokens at each step (N <= 20), from the model's raw distribution (before temperature, penalties,
-    ``logit_bias`` and the ``min_tokens`` mask). ``stop`` strings end generation and are cut from
+    ``logit_bias`` and the ``min_tokens`` mask). ``prompt_logprobs=N`` (N <= 20, vLLM's field)
+    returns, for every prompt position ``i >= 1``, the log-probability of prompt token ``i`` given
+    the tokens before it and the top N alternatives (position 0 has none), from the same raw
+    float32 distribution; see :attr:`RequestOutput.prompt_logprobs`. Prefix-cache rule (vLLM's):
+    a request with ``prompt_logprobs`` never READS the prefix cache or the host KV tier (a cached
+    prefix has no logits, so its whole prompt is computed and ``num_cached_tokens`` is 0); its
+    full blocks are still cached for others. A PD (splitwise) role or tensor parallelism refuses
+    it. ``stop`` strings end generation and are cut from
     the text; ``stop_token_ids`` end it too. ``ignore_eos`` keeps generating past eos
     (benchmarks).
 
@@ -66,6 +73,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -128,13 +136,19 @@ class SamplingParams:
             self.stop_token_ids,
             "a list of token ids >= 0",
         )
-        check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            self.logprobs,
-            f"null or an integer in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None
+                or (
+                    isinstance(value, int)
+                    and not isinstance(value, bool)
+                    and 0 <= value <= MAX_LOGPROBS
+                ),
+                name,
+                value,
+                f"null or an integer in [0, {MAX_LOGPROBS}]",
+            )
         self._check_logits_processing()
 
     def _check_logits_processing(self) -> None:

@@ -28,6 +28,21 @@ class ScheduledRequest:
         end = self.num_computed_tokens + self.num_new_tokens
         return end == self.request.num_tokens_with_placeholders
 
+    @property
+    def prompt_logprob_rows(self) -> range:
+        """The token positions of this step whose logits score the next prompt token (a
+        request with ``prompt_logprobs``): position ``j`` scores prompt token ``j + 1``, so a
+        chunk's last row scores the next chunk's first token and the prompt's last row none.
+        Positions already scored (``Request.num_prompt_logprob_rows``: before a preemption, or
+        by a step in flight) are left out, so each prompt position is computed once. Empty for
+        every other request."""
+        request = self.request
+        if not request.num_prompt_logprob_rows_left:
+            return range(0)
+        start = max(self.num_computed_tokens, request.num_prompt_logprob_rows)
+        end = min(self.num_computed_tokens + self.num_new_tokens, request.num_prompt_tokens - 1)
+        return range(start, max(start, end))
+
 
 @dataclass
 class SchedulerOutput:

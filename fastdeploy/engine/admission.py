@@ -29,6 +29,7 @@ class Admission:
         splitwise_role: ``mixed``, ``prefill`` or ``decode`` (which ``kv_transfer_params`` fit).
         kv_layout: this node's KV layout (what a PD peer's must equal); None outside PD.
         block_size: tokens per KV block.
+        tensor_parallel_size: ranks of the model (``prompt_logprobs`` needs 1).
     """
 
     max_model_len: int
@@ -38,6 +39,7 @@ class Admission:
     splitwise_role: str = "mixed"
     kv_layout: dict | None = None
     block_size: int = 16
+    tensor_parallel_size: int = 1
 
     def check(
         self,
@@ -52,7 +54,8 @@ class Admission:
             ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
                 ``logit_bias`` id outside it, stop strings without a tokenizer, or
                 ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
-                prompt length that differs from the prefill node's).
+                prompt length that differs from the prefill node's), or ``prompt_logprobs``
+                where they cannot be computed (:meth:`_check_prompt_logprobs`).
             PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
                 output token; the message names both lengths, and the KV pool when that is what
                 bounds ``max_model_len``).
@@ -60,6 +63,8 @@ class Admission:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, self.max_model_len_note)
         if sampling_params is not None:
             check_sampling(sampling_params, self.vocab_size, self.has_tokenizer)
+            if sampling_params.prompt_logprobs is not None:
+                self._check_prompt_logprobs(sampling_params.prompt_logprobs, kv_transfer_params)
         if kv_transfer_params is None:
             return None
         from fastdeploy.splitwise.roles import check_decode_leg, check_kv_transfer_params
@@ -68,3 +73,25 @@ class Admission:
         if leg not in (None, True):
             check_decode_leg(leg, len(prompt_token_ids), self.vocab_size, self.block_size)
         return leg
+
+    def _check_prompt_logprobs(self, value: int, kv_transfer_params: dict | None) -> None:
+        """Refuse ``prompt_logprobs`` where the prompt's logits are not all computed here:
+        a PD role (a decode node pulls the prompt's KV, it computes no prompt logit; a prefill
+        leg's outputs travel through the router) and tensor parallelism (the other ranks would
+        have to join the LM head's all-gather for those rows).
+
+        Raises:
+            ValueError: naming ``prompt_logprobs``, its value and why.
+        """
+        why = None
+        if self.splitwise_role != "mixed" or kv_transfer_params is not None:
+            why = (
+                f"this server runs splitwise_role={self.splitwise_role!r} (prefill/decode "
+                "disaggregation), where the prompt's logits are not computed on one node"
+            )
+        elif self.tensor_parallel_size > 1:
+            why = f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet"
+        if why is not None:
+            raise ValueError(
+                f"prompt_logprobs={value!r} is invalid: {why}; allowed: null (leave it out)"
+            )

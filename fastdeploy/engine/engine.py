@@ -245,6 +245,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             self.config.parallel_config.splitwise_role,
             getattr(self, "kv_layout", None),
             self.config.cache_config.block_size,
+            self.config.parallel_config.tensor_parallel_size,
         )
 
     def add_request(
@@ -391,7 +392,24 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             detok.take_delta(finished) if detok is not None else "",  # new_text
             request.stop_reason if finished else None,
             kv_params,
+            None,  # error
+            self._first_prompt_logprobs(request),
         )
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request) -> list[dict | None] | None:
+        """A request's whole prompt logprobs on its first output (one entry per prompt token by
+        then: its last prefill step is the one that samples), None on every other output and for
+        requests that did not ask."""
+        entries = request.prompt_logprobs
+        if entries is None or len(request.output_token_ids) != 1:
+            return None
+        if len(entries) != request.num_prompt_tokens:
+            raise RuntimeError(
+                f"request {request.request_id!r} has {len(entries)} prompt logprobs for "
+                f"{request.num_prompt_tokens} prompt tokens at its first token"
+            )
+        return entries
 
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode,

@@ -164,7 +164,12 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of one request after a step. ``kv_transfer_params`` is set on the finished
-    output of a PD prefill leg (where its KV waits for the decode node)."""
+    output of a PD prefill leg (where its KV waits for the decode node).
+
+    ``prompt_logprobs``: None unless ``SamplingParams.prompt_logprobs`` was asked; then, from
+    the request's first output on, ``len(prompt_token_ids)`` entries: ``None`` for position 0,
+    then per prompt token ``{"token_id", "logprob", "rank", "top_logprobs": [(id, lp)]}`` (the
+    log-probability of that token given the ones before it, float32 from the raw distribution)."""
 
     request_id: str
     prompt: str | None
@@ -173,12 +178,16 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class _Accumulated:
     """What a request has produced so far; ``token_ids`` and ``logprobs`` only ever grow."""
 
-    __slots__ = ("prompt", "prompt_token_ids", "text_parts", "token_ids", "logprobs", "kv_params")
+    __slots__ = (
+        "prompt", "prompt_token_ids", "text_parts", "token_ids", "logprobs", "kv_params",
+        "prompt_logprobs",
+    )  # fmt: skip
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int]) -> None:
         self.prompt = prompt
@@ -187,6 +196,7 @@ class _Accumulated:
         self.token_ids: list[int] = []
         self.logprobs: list[dict] | None = None
         self.kv_params: dict | None = None
+        self.prompt_logprobs: list[dict | None] | None = None
 
 
 class OutputProcessor:
@@ -228,6 +238,8 @@ class OutputProcessor:
                 acc.text_parts.append(eo.new_text)
             if eo.kv_transfer_params is not None:
                 acc.kv_params = eo.kv_transfer_params
+            if eo.prompt_logprobs is not None:
+                acc.prompt_logprobs = eo.prompt_logprobs
             comp = CompletionOutput.prefix_of(
                 acc.token_ids,
                 acc.logprobs,
@@ -248,6 +260,7 @@ class OutputProcessor:
                     eo.finished,
                     eo.num_cached_tokens,
                     acc.kv_params,
+                    acc.prompt_logprobs,
                 )
             )
             if eo.finished:

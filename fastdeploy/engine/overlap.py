@@ -95,6 +95,8 @@ class OverlapStepMixin:
     def _finish_step(self, step: LaunchedStep) -> list[EngineOutput]:
         """Wait for ``step``'s tokens, append them, stop-check and build the outputs."""
         token_ids = step.output.token_ids()  # no per-row objects unless logprobs were asked
+        if step.output.prompt_logprobs is not None:  # before the tokens: a first output sends them
+            self._take_prompt_logprobs(step.output.prompt_logprobs.entries())
         now = time.monotonic()
         outputs = []
         token_output = self._token_output
@@ -109,3 +111,14 @@ class OverlapStepMixin:
                 request.output_logprobs.extend(logprobs)
             outputs.append(token_output(request, token_id, logprobs, now))
         return outputs
+
+    def _take_prompt_logprobs(self, entries: dict[str, list[dict]]) -> None:
+        """Append a finished step's prompt logprobs to their requests, in position order (steps
+        finish in launch order and never score a position twice). A request aborted or finished
+        since the launch is gone from the scheduler: its entries are dropped; one preempted since
+        keeps them (they were computed from its whole context)."""
+        get = self.scheduler.get_request
+        for rid, new in entries.items():
+            request = get(rid)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(new)

@@ -50,9 +50,10 @@ class StepOutputMixin:
 
     def advance(self, output: SchedulerOutput) -> list[Request]:
         """Apply a step as it is launched, before its tokens are known: advance each request's
-        computed tokens, cache the full blocks of known tokens, and count one output placeholder
-        per request that samples (the overlap schedule then schedules the next step from these
-        counters while this one runs; :meth:`resolve` replaces the placeholders).
+        computed tokens (and its prompt-logprob rows), cache the full blocks of known tokens,
+        and count one output placeholder per request that samples (the overlap schedule then
+        schedules the next step from these counters while this one runs; :meth:`resolve`
+        replaces the placeholders).
 
         Args:
             output: what :meth:`schedule` returned for the step (every request running).
@@ -71,6 +72,10 @@ class StepOutputMixin:
             if s.samples:  # read before the counters move
                 request.num_output_placeholders += 1
                 samplers.append(request)
+            if request.num_prompt_logprob_rows_left:  # this step's rows are computed
+                request.num_prompt_logprob_rows = max(
+                    request.num_prompt_logprob_rows, s.prompt_logprob_rows.stop
+                )
             request.num_computed_tokens += s.num_new_tokens
         self.kv_cache_manager.cache_known_blocks(s.request for s in output.scheduled)
         return samplers

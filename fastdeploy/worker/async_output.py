@@ -42,6 +42,11 @@ class PendingOutput:
             logprob, ``k`` top ids, ``k`` top logprobs); pinned host memory on CUDA.
         num_top: ``k`` (0: no top log-probabilities), or None when no log-probability was asked.
         event: recorded after the copy into ``host`` (None on CPU).
+
+    Attributes:
+        prompt_logprobs: the step's prompt log-probabilities
+            (:class:`~fastdeploy.worker.prompt_logprobs.PromptLogprobOutput`), or None when no
+            request of the step owed any.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class PendingOutput:
         self._event = event
         self._result: dict[str, SampledToken] | None = None
         self._token_ids: dict[str, int] | None = None
+        self.prompt_logprobs = None
 
     @classmethod
     def ready(cls, tokens: dict[str, SampledToken]) -> PendingOutput:

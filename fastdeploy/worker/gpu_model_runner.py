@@ -26,6 +26,7 @@ from fastdeploy.worker.input_batch import (
     dummy_step,
     split_tokens,
 )
+from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from fastdeploy.worker.sampling_buffers import SamplingBuffers
 
 logger = logging.getLogger(__name__)
@@ -205,13 +206,29 @@ class GPUModelRunner:
             The step's :class:`~fastdeploy.worker.async_output.PendingOutput`: its
             ``result()`` waits on the step's one event and gives request id -> sampled token
             for the requests with ``ScheduledRequest.samples`` (empty on a rank that is not the
-            driver).
+            driver), and its ``prompt_logprobs`` (the rows of requests that asked for prompt
+            logprobs, :mod:`~fastdeploy.worker.prompt_logprobs`; None in a step without any).
         """
         for rid in sched.finished_request_ids:
             self.sampling.free(rid)
         if sched.is_empty:
             return PendingOutput.ready({})
         hidden, inputs, mode = self.forward(sched, dispatch, layer_events)
+        # Prompt logprobs: only the rows of requests that asked, eagerly, outside any graph.
+        plan = plan_prompt_logprobs(sched) if self.is_driver else None
+        prompt_lp = None
+        if plan is not None:
+            prompt_lp = compute_prompt_logprobs(self.model.compute_logits, hidden, plan)
+        pending = self._sample(sched, hidden, inputs, mode)
+        pending.prompt_logprobs = prompt_lp
+        return pending
+
+    def _sample(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, inputs: StepInputs, mode: str
+    ) -> PendingOutput:
+        """The sampled rows' logits (from the step's graphs where captured, else the LM head on
+        ``hidden``), sampling, and the queued copy of the tokens (see
+        :meth:`execute_model_async`)."""
         self.last_sampled = None
         if not inputs.sampling_reqs:
             return PendingOutput.ready({})
