@@ -6,32 +6,17 @@ against Hugging Face on the real model is in ``test_prompt_logprobs_hf.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from paged_runner import PagedRunner
 from support import record_preemptions
 from tiny_models import tiny_llama
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.admission import Admission
 
-
-def _paged_runner():
-    """``tests/model_executor/paged_runner.py``'s PagedRunner (another test folder's helper)."""
-    path = Path(__file__).parents[1] / "model_executor" / "paged_runner.py"
-    spec = importlib.util.spec_from_file_location("paged_runner", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("paged_runner", module)
-    spec.loader.exec_module(sys.modules["paged_runner"])
-    module = sys.modules["paged_runner"]
-    return module.PagedRunner
-
-
-PagedRunner = _paged_runner()
 TINY = tiny_llama(num_hidden_layers=3)
 ATOL = 1e-5  # float32; chunked attention sums in another order than one prefill
 
