@@ -127,5 +127,7 @@ if __name__ == "__main__":
     tok = resolve_model(args.model, "auto").load_tokenizer()
     recs = recount(tok) if args.recount else load_prompts()
     lengths = sorted(r.num_tokens for r in recs)
-    print(f"{len(recs)} prompts, {lengths[0]}..{lengths[-1]} tokens; text: "
-          f"{len(text_token_ids(tok))} tokens")
+    print(
+        f"{len(recs)} prompts, {lengths[0]}..{lengths[-1]} tokens; text: "
+        f"{len(text_token_ids(tok))} tokens"
+    )
