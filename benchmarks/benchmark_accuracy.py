@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     records = data.select_prompts(data.load_prompts(), args.num_prompts, args.max_prompt_tokens)
     w = Workloads(args, device, records)
     now = datetime.datetime.now(datetime.timezone.utc)
+    cpu = f"cpu ({os.cpu_count()} cores)"
     meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()})",
+        "device": torch.cuda.get_device_name() if device == "cuda" else cpu,
         "dtype": args.dtype,
         "model": str(w.model_path),
         "md5": md5(w.model_path),
