@@ -151,6 +151,41 @@ def test_run_path_reads_prompt_logprobs_and_sets_env(monkeypatch):
     assert run.prompt_logprobs == [[None, -1.0, -1.0]] and run.text_logprobs == [None, -1.0]
 
 
+class FakeWorkloads:
+    """``harness.Workloads`` without a model: one prompt whose HF continuation is [4, 5, 2]."""
+
+    model_path = None  # a file to take the md5 of; the test sets it
+    text_ids = [1, 2]
+
+    def __init__(self, args, device, records):
+        pass
+
+    def get(self, kind):
+        ref = Reference([_ref([4, 5, 2], [1.0, 0.5, 2.0])], [None, -1.0])
+        return harness.Workload("m", [[7, 8, 9]], [1, 2], ref, [2], [0], 4)
+
+
+def test_main_exits_one_on_a_failed_path_and_lists_cuda_paths(monkeypatch, tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(harness, "Workloads", FakeWorkloads)
+    monkeypatch.setattr(FakeWorkloads, "model_path", gguf)
+
+    def fake_run(spec, model, kw, prompts, text_ids, n):  # eager equals HF; chunked parts at 1
+        tokens = [4, 5, 2] if spec.name == "eager" else [4, 9, 2]
+        plp = [[None, -1.0, -2.0]]
+        return runner.PathRun([tokens], [[-0.5] * 3], plp, [None, -1.0], {})
+
+    monkeypatch.setattr(harness, "run_path", fake_run)
+    argv = ["--device", "cpu", "--paths", "eager,piecewise,chunked", "--json", str(tmp_path / "j")]
+    assert harness.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "needs CUDA" in out and "prompt 0 at token 1, HF float32 top-2 margin 0.5000" in out
+    rows = {r["path"]: r for r in json.loads((tmp_path / "j").read_text())["paths"]}
+    assert rows["eager"]["passed"] and not rows["chunked"]["passed"]
+    assert rows["piecewise"] == {"path": "piecewise", "skipped": "needs CUDA"}
+
+
 # --- the data set -----------------------------------------------------------------------------
 
 
