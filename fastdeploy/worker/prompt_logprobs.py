@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.core.host_staging import record_event
 from fastdeploy.core.scheduler_output import SchedulerOutput
 
 #: Rows of hidden states turned into logits at once (``[ROWS_PER_SLICE, vocab]`` float32: 96 MiB
@@ -123,7 +124,7 @@ class PromptLogprobOutput:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            record_event(self._event)
             packed = host
         self._host = packed
 

@@ -239,6 +239,7 @@ def test_engine_output_pickles_every_field():
         "finished": True, "finish_reason": "stop", "num_prompt_tokens": 7,
         "num_cached_tokens": 3, "new_text": "ab", "stop_reason": "x",
         "kv_transfer_params": {"k": 1}, "error": None,
+        "prompt_logprobs": [None, {"token_id": 2, "logprob": -1.0}],
     }  # fmt: skip
     assert set(values) == {f.name for f in dataclasses.fields(EngineOutput)}
     back = pickle.loads(pickle.dumps(EngineOutput(**values)))

@@ -185,7 +185,8 @@ def test_offline_sampling_params_refuse_an_infinite_temperature():
         ("/v1/chat/completions", {"n": 3}, "n", "n=3 is not supported; only n=1"),
         ("/v1/completions", {"best_of": 2}, "best_of", "best_of=2 is not supported; allowed: "
          "null or 1"),
-        ("/v1/completions", {"echo": True}, "echo", "echo=true is not supported; allowed: false"),
+        ("/v1/completions", {"echo": True, "stream": True}, "echo", "echo=true is not supported "
+         "with stream=true; allowed: echo=false, or stream=false"),
         ("/v1/completions", {"suffix": "!"}, "suffix", 'suffix="!" is not supported; allowed: '
          "null"),
         ("/v1/chat/completions", {"echo": True}, "echo", "unknown field 'echo'"),

@@ -88,3 +88,64 @@ def completion_logprobs(
         "tokens": tokens,
         "top_logprobs": top_logprobs,
     }
+
+
+def vllm_prompt_logprobs(
+    token_bytes: TokenBytes | None, entries: list[dict | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` from the engine's (``RequestOutput.prompt_logprobs``): per
+    prompt token None (the first) or ``{token id as a string: {"logprob", "rank",
+    "decoded_token"}}``, the prompt token first (its own rank), then the top N not already in
+    (ranks 1..N). None when ``entries`` is None."""
+    if entries is None:
+        return None
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        token_id = entry["token_id"]
+        ranked = [(token_id, entry["logprob"], entry.get("rank"))]
+        ranked += [
+            (t, lp, r) for r, (t, lp) in enumerate(entry["top_logprobs"], 1) if t != token_id
+        ]
+        result.append(
+            {
+                str(t): {
+                    "logprob": float(lp),
+                    "rank": r,
+                    "decoded_token": _token(token_bytes, t)[0],
+                }
+                for t, lp, r in ranked
+            }
+        )
+    return result
+
+
+def echo_logprobs(
+    token_bytes: TokenBytes | None,
+    prompt_token_ids: list[int],
+    prompt_entries: list[dict | None],
+    entries: list[dict] | None,
+    num_top: int,
+    prompt_offsets: TextOffsets | None,
+    offsets: TextOffsets | None,
+) -> dict[str, list]:
+    """Legacy completions ``logprobs`` of an ``echo`` response (OpenAI's): the prompt's tokens
+    first, the first one with a null log-probability and null top log-probabilities, then the
+    generated ones (:func:`completion_logprobs` of each part, tops cut to ``num_top``).
+    ``prompt_offsets`` counts the prompt text's characters and ``offsets`` goes on from its end."""
+    first = prompt_token_ids[0]
+    head = {
+        "text_offset": [prompt_offsets.next(first) if prompt_offsets is not None else 0],
+        "token_logprobs": [None],
+        "tokens": [_token(token_bytes, first)[0]],
+        "top_logprobs": [None],
+    }
+    cut = [{**e, "top_logprobs": e["top_logprobs"][:num_top]} for e in prompt_entries[1:]]
+    parts = [
+        head,
+        completion_logprobs(token_bytes, cut, prompt_offsets),
+        completion_logprobs(token_bytes, entries, offsets),
+    ]
+    return {key: [v for part in parts for v in part[key]] for key in head}

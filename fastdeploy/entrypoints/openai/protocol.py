@@ -34,7 +34,14 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 
 class StrictModel(BaseModel):
@@ -107,6 +114,10 @@ class SamplingFields(StrictModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    #: vLLM's extension: top-N log-probabilities of each prompt token given the ones before it
+    #: (``SamplingParams.prompt_logprobs``), answered as ``prompt_logprobs`` (on the choice of a
+    #: completion, at the top level of a chat response). Not with ``stream``.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI fields that clients often send at their defaults: accepted at the value that changes
     # nothing, refused ("not supported") otherwise, so no request is silently served differently.
     response_format: dict[str, Any] | None = None
@@ -210,8 +221,14 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """A legacy completion request. ``echo`` (OpenAI's) puts the prompt before the completion
+    in ``text``, and, with ``logprobs``, the prompt tokens first in ``logprobs`` (the first one's
+    log-probability and top log-probabilities null); ``max_tokens: 0`` is allowed with it
+    (scoring only). ``echo`` does not stream. Both rules are checked by the handler
+    (``OpenAIServingCompletion.check_echo``), which names the field."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -249,12 +266,12 @@ class CompletionRequest(SamplingFields):
                 )
         return v
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _defaults_only(cls, v, info: ValidationInfo):
-        """``echo``, ``suffix`` and ``best_of`` > 1 are not implemented: refused, naming the
-        field, rather than ignored (a client would get a different answer than it asked for)."""
-        default = {"echo": (False,), "suffix": (None,), "best_of": (None, 1)}[info.field_name]
+        """``suffix`` and ``best_of`` > 1 are not implemented: refused, naming the field,
+        rather than ignored (a client would get a different answer than it asked for)."""
+        default = {"suffix": (None,), "best_of": (None, 1)}[info.field_name]
         if not any(v is d or (type(v) is int and v == d) for d in default):
             allowed = " or ".join(json.dumps(d) for d in default)
             raise ValueError(
@@ -333,6 +350,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):
@@ -362,11 +380,26 @@ class ChatCompletionChunk(OpenAIModel):
     usage: UsageInfo | None = None
 
 
+class PromptLogprob(OpenAIModel):
+    """One token of a ``prompt_logprobs`` entry (vLLM's ``Logprob``): its log-probability, its
+    rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: ``prompt_logprobs`` of a response (vLLM's shape): per prompt token, None for the first, else
+#: ``{token id as a string: PromptLogprob}`` holding the prompt token and the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):

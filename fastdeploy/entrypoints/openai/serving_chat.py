@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
-from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
+from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -102,6 +102,7 @@ class OpenAIServingChat(OpenAIServing):
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         comp = final.outputs[0]
+        prompt_logprobs = vllm_prompt_logprobs(self.token_bytes, final.prompt_logprobs)
         body = ChatCompletionResponse(
             id=request_id,
             model=self.served_model_name,
@@ -115,6 +116,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
             ],
             usage=usage_of(len(prompt_ids), len(comp.token_ids), final.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
         return JSONResponse(with_kv_transfer_params(dump(body), final))
 

@@ -15,8 +15,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.detokenizer import TextOffsets
 from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
-from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
+from fastdeploy.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -80,7 +85,13 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        self.check_echo(req)
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+        # max_tokens=0 (echo, scoring only): one token is generated and left out of the answer.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        params = sampling_params_from(req, max_tokens, req.logprobs, prompt_logprobs)
         if has_text(req.prompt):
             prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
         else:
@@ -106,23 +117,60 @@ class OpenAIServingCompletion(OpenAIServing):
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         comp = final.outputs[0]
+        scoring_only = req.max_tokens == 0
+        text, token_ids, entries = comp.text, comp.token_ids, comp.logprobs
+        if scoring_only:
+            text, token_ids, entries = "", [], []
+        echoed = ""
+        if req.echo:
+            echoed = prompt if prompt is not None else self.tokenizer.decode(prompt_ids)
         logprobs = None
         if with_logprobs:
-            offsets = self.text_offsets(params)
-            logprobs = completion_logprobs(self.token_bytes, comp.logprobs, offsets)
+            offsets = self.text_offsets(params, len(echoed))
+            if req.echo:
+                logprobs = echo_logprobs(
+                    self.token_bytes, prompt_ids, final.prompt_logprobs, entries, req.logprobs,
+                    TextOffsets(self.token_bytes), offsets,
+                )  # fmt: skip
+            else:
+                logprobs = completion_logprobs(self.token_bytes, entries, offsets)
         choice = CompletionChoice(
-            text=comp.text,
+            text=echoed + text,
             logprobs=logprobs,
-            finish_reason=comp.finish_reason,
-            **self._token_ids(comp.token_ids),
+            finish_reason="length" if scoring_only else comp.finish_reason,
+            prompt_logprobs=vllm_prompt_logprobs(
+                self.token_bytes, final.prompt_logprobs if req.prompt_logprobs is not None else None
+            ),
+            **self._token_ids(token_ids),
         )
         body = CompletionResponse(
             id=request_id,
             model=self.served_model_name,
             choices=[choice],
-            usage=usage_of(len(prompt_ids), len(comp.token_ids), final.num_cached_tokens),
+            usage=usage_of(len(prompt_ids), len(token_ids), final.num_cached_tokens),
         )
         return JSONResponse(with_kv_transfer_params(dump(body), final))
+
+    def check_echo(self, req: CompletionRequest) -> None:
+        """The rules of ``echo`` and ``max_tokens: 0``.
+
+        Raises:
+            APIError: 400 for ``max_tokens: 0`` without ``echo``, ``echo`` with ``stream`` (not
+                implemented) or without a tokenizer (the echoed prompt is text).
+        """
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request(
+                "max_tokens=0 is invalid without echo; allowed: an integer >= 1, or 0 with "
+                "echo=true (score the prompt only)",
+                "max_tokens",
+            )
+        if req.echo and req.stream:
+            raise bad_request(
+                "echo=true is not supported with stream=true; allowed: echo=false, or stream=false",
+                "echo",
+            )
+        if req.echo:
+            self.require_tokenizer("echo=true (the prompt echoed as text)", "echo")
 
     def _token_ids(self, token_ids: list[int]) -> dict[str, Any]:
         """``{"token_ids": [...]}`` for a choice when the server has no tokenizer, else ``{}``."""

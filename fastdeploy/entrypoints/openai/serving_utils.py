@@ -54,7 +54,10 @@ def check_text(text: str, param: str) -> str:
 
 
 def sampling_params_from(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Build :class:`SamplingParams` from a request's OpenAI fields.
 
@@ -68,6 +71,14 @@ def sampling_params_from(
     """
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported; only n=1", "n")
+    if prompt_logprobs is None:
+        prompt_logprobs = req.prompt_logprobs
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request(
+            f"prompt_logprobs={req.prompt_logprobs} is not supported with stream=true; allowed: "
+            "null, or stream=false",
+            "prompt_logprobs",
+        )
     logit_bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not (key.isascii() and key.strip().isdigit()):
@@ -90,6 +101,7 @@ def sampling_params_from(
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -172,12 +184,13 @@ class OpenAIServing:
             self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         return self._max_token_chars
 
-    def text_offsets(self, params: SamplingParams) -> TextOffsets | None:
-        """A fresh :class:`TextOffsets` for one response (None without a tokenizer)."""
+    def text_offsets(self, params: SamplingParams, start: int = 0) -> TextOffsets | None:
+        """A fresh :class:`TextOffsets` for one response's output, whose text starts at
+        character ``start`` (after an echoed prompt); None without a tokenizer."""
         if self.token_bytes is None:
             return None
         skip = self.tokenizer.all_special_ids if params.skip_special_tokens else ()
-        return TextOffsets(self.token_bytes, skip)
+        return TextOffsets(self.token_bytes, skip, start)
 
     def require_tokenizer(self, what: str, param: str) -> None:
         """Raises :class:`APIError` 400 when the server has no tokenizer and ``what`` needs it."""
