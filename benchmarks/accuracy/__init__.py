@@ -1,0 +1,1 @@
+"""Helpers of ``benchmarks/benchmark_accuracy.py``: data, HF reference, paths, rules, report."""
