@@ -42,6 +42,7 @@ def env_vars(values: dict[str, str]) -> Iterator[None]:
     reads ``FD_*`` variables lazily, so the engine built and run inside sees them."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    _forget_cached_switches()
     try:
         yield
     finally:
@@ -50,6 +51,18 @@ def env_vars(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _forget_cached_switches()
+
+
+def _forget_cached_switches() -> None:
+    """The layers read ``FD_USE_FUSED_OPS``, ``FD_USE_SKINNY_GEMM`` and ``FD_SKINNY_GEMM_PDL``
+    once per process (cached); every path builds its engine in this process, so the caches are
+    cleared whenever the variables change, or the first path's answer would hold for all."""
+    from fastdeploy.model_executor.layers import fused_ops, linear
+
+    fused_ops.reset()
+    linear.skinny_gemm_enabled.cache_clear()
+    linear.skinny_pdl.cache_clear()
 
 
 def _chosen_logprobs(entries: Sequence[dict] | None, n: int) -> list[float | None]:
