@@ -151,7 +151,7 @@ def run_one(spec: PathSpec, w: Workloads, args, device: str):
     wl = w.get(spec.model)
     kw = engine_kwargs(
         spec,
-        dtype=args.dtype,
+        dtype=spec.dtype or args.dtype,
         device=device,
         prompt_lengths=[len(p) for p in wl.prompts],
         text_length=len(wl.text_ids),
@@ -159,7 +159,7 @@ def run_one(spec: PathSpec, w: Workloads, args, device: str):
         kv_bytes_per_token=wl.kv_bytes_per_token,
     )
     run = run_path(spec, wl.model, kw, wl.prompts, wl.text_ids, args.max_new_tokens)
-    return score(spec, run, wl.reference, args.dtype, wl.eos_ids, wl.prompt_ids)
+    return score(spec, run, wl.reference, spec.dtype or args.dtype, wl.eos_ids, wl.prompt_ids)
 
 
 def main(argv: list[str] | None = None) -> int:

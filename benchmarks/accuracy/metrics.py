@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 #: float32 rule: mean |Δ logprob| of teacher-forced prompt tokens against HF float32, nats.
 FLOAT32_MAX_MEAN_DELTA = 1e-3
-#: bfloat16 rule: a greedy divergence is allowed only where HF float32's top-2 margin is below
-#: this (nats = logit units, see the module docstring). The value is the near-tie bound of the
-#: GPU tests (``tests/gpu/gpu_utils.py`` ``NEAR_TIE = 0.06`` logits, measured on an H200): bf16
-#: rounding of the residual stream and of the LM head moves a logit of SmolLM2 by a few
-#: hundredths, so two tokens closer than that may swap order without any bug.
+#: The near-tie bound on random weights (``tests/gpu/gpu_utils.py`` ``NEAR_TIE``, logits, measured
+#: on an H200); here the floor of the bfloat16 bound (:func:`near_tie_bound`), and the bound itself
+#: when the torch path was not run.
 NEAR_TIE = 0.06
+#: The bfloat16 bound in standard deviations of the yardstick's top-2 gap error
+#: (:func:`near_tie_bound`).
+NEAR_TIE_SIGMAS = 3.0
 #: bfloat16 rule: a fast path's mean |Δ logprob| may exceed the plain torch path's (same dtype)
 #: by at most this fraction.
 MAX_REL_EXCESS_OVER_TORCH = 0.10
@@ -142,14 +143,32 @@ def _mean(values: list[float] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def near_tie_bound(torch_mean: float | None) -> float:
+    """The bfloat16 near-tie bound (nats): HF float32 top-2 margins below it may swap order in
+    bfloat16 without a bug.
+
+    Derived from the plain bf16 torch path of the same run (``torch_mean``: its mean |Δ logprob|
+    against HF float32): model each token's log-prob error as a zero-mean normal, whose mean
+    absolute value is ``σ·sqrt(2/π)``, so ``σ = torch_mean·sqrt(π/2)``; a top-2 gap is the
+    difference of two such errors, ``σ_gap = sqrt(2)·σ = torch_mean·sqrt(π)``; the bound is
+    :data:`NEAR_TIE_SIGMAS` of those, and never below :data:`NEAR_TIE`. On the default GGUF on
+    an H200 (2026-12-04) the torch path's mean was 0.0493 nats (bound 0.262), and the torch path
+    itself parted from HF float32 at margins up to 0.152: the random-weight bound of 0.06 fails
+    the arithmetic HF bfloat16 does, so it cannot judge a fast path.
+    """
+    if torch_mean is None:
+        return NEAR_TIE
+    return max(NEAR_TIE, NEAR_TIE_SIGMAS * math.sqrt(math.pi) * torch_mean)
+
+
 def judge(score: PathScore, torch_mean: float | None = None) -> tuple[bool, list[str]]:
     """Apply the rules to one path; returns (passed, reasons it failed or was limited).
 
     ``torch_mean``: the plain torch path's mean |Δ logprob| in the same dtype (the bfloat16
     rule's yardstick); None when it was not run, and then that rule is reported as not checked.
     A float32 path must equal HF greedily and keep mean |Δ| <= :data:`FLOAT32_MAX_MEAN_DELTA`;
-    any other dtype may diverge only at margins below :data:`NEAR_TIE` and may not exceed
-    ``torch_mean`` by more than :data:`MAX_REL_EXCESS_OVER_TORCH`.
+    any other dtype may diverge only at margins below :func:`near_tie_bound` (``torch_mean``)
+    and may not exceed ``torch_mean`` by more than :data:`MAX_REL_EXCESS_OVER_TORCH`.
     """
     reasons = list(score.problems)
     ok = not score.problems
@@ -164,11 +183,14 @@ def judge(score: PathScore, torch_mean: float | None = None) -> tuple[bool, list
             ok = False
             reasons.append(f"mean |Δ| {mean:.2e} > {FLOAT32_MAX_MEAN_DELTA:.0e}")
         return ok, reasons
-    wide = [d for d in score.divergences if d.margin is None or d.margin >= NEAR_TIE]
+    bound = near_tie_bound(torch_mean)
+    wide = [d for d in score.divergences if d.margin is None or d.margin >= bound]
     if wide:
         ok = False
         where = ", ".join(f"p{d.prompt_id}@{d.index}" for d in wide[:5])
-        reasons.append(f"{len(wide)} divergence(s) at margin >= {NEAR_TIE} ({where})")
+        reasons.append(f"{len(wide)} divergence(s) at margin >= {bound:.3f} ({where})")
+    if torch_mean is None and score.divergences:
+        reasons.append(f"torch path not run: near-tie bound {NEAR_TIE} (random-weight value)")
     if mean is None:
         reasons.append("prompt logprobs n/a: |Δ| rule not checked")
     elif torch_mean is None:

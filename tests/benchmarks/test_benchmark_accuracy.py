@@ -72,6 +72,19 @@ def test_bfloat16_rule_near_ties_and_torch_yardstick():
     assert ok and "not checked" in why[0]
 
 
+def test_bfloat16_near_tie_bound_follows_the_torch_path():
+    """3 standard deviations of the yardstick's top-2 gap error (mean |Δ| * sqrt(pi) each),
+    never below the random-weight bound: the H200 run's torch mean 0.0493 gives 0.262."""
+    assert metrics.near_tie_bound(0.0493) == pytest.approx(0.2621, abs=1e-3)
+    assert metrics.near_tie_bound(0.001) == metrics.NEAR_TIE
+    assert metrics.near_tie_bound(None) == metrics.NEAR_TIE
+    at_015 = _score("bfloat16", [Divergence(2, 5, 0.15)], [0.04])
+    assert judge(at_015, torch_mean=0.0493)[0]
+    ok, why = judge(at_015, torch_mean=None)
+    assert not ok and "0.060" in why[0] and any("random-weight" in w for w in why)
+    assert not judge(_score("bfloat16", [Divergence(2, 5, 0.27)], [0.04]), torch_mean=0.0493)[0]
+
+
 def _ref(cont, margins):
     return PromptReference([7, 8, 9], cont, [-0.5] * len(cont), margins, [None, -1.0, -2.0])
 
