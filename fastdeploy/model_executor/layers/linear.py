@@ -94,6 +94,12 @@ def linear(
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
+#: Whether this torch has ``torch.mm(..., out_dtype=)`` (half-precision operands, a float32
+#: result; the ``aten::mm.dtype`` overload of newer builds); without it the operands are upcast
+#: first (slower, the same sums).
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def linear_float32(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -127,7 +133,7 @@ def linear_float32(
         if out is None or out.stride(1) == 1:
             pdl = skinny_pdl(x.device)
             return skinny_linear_launch(x, weight, out, pdl=pdl, out_dtype=out_dtype)
-    if x.is_cuda and x.dim() == 2 and bias is None:
+    if x.is_cuda and x.dim() == 2 and bias is None and _MM_OUT_DTYPE:
         if out is None:
             return torch.mm(x, weight.t(), out_dtype=out_dtype)
         return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
