@@ -331,6 +331,35 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """One token of a ``prompt_logprobs`` entry (vLLM's ``Logprob``): its log-probability, its
+    rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: ``prompt_logprobs`` of a response (vLLM's shape): per prompt token, None for the first, else
+#: ``{token id as a string: PromptLogprob}`` holding the prompt token and the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class WithPromptLogprobs(OpenAIModel):
+    """A response part that carries ``prompt_logprobs`` only when the request asked for them:
+    the key is left out when None, so answers (and streamed chunks, whose templates write the
+    same fields) read as before for every other request."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs", 0) is None:
+            del data["prompt_logprobs"]
+        return data
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
@@ -343,14 +372,13 @@ class ChatChoice(OpenAIModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
+class ChatCompletionResponse(WithPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):
@@ -380,26 +408,11 @@ class ChatCompletionChunk(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-class PromptLogprob(OpenAIModel):
-    """One token of a ``prompt_logprobs`` entry (vLLM's ``Logprob``): its log-probability, its
-    rank (1 = most likely) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-#: ``prompt_logprobs`` of a response (vLLM's shape): per prompt token, None for the first, else
-#: ``{token id as a string: PromptLogprob}`` holding the prompt token and the top N.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionChoice(OpenAIModel):
+class CompletionChoice(WithPromptLogprobs):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):

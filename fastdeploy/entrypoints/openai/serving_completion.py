@@ -103,7 +103,6 @@ class OpenAIServingCompletion(OpenAIServing):
         # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
         stream = self.admit(request_id, prompt_ids, params, prompt, "prompt", req, sent)
-        with_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -116,7 +115,28 @@ class OpenAIServingCompletion(OpenAIServing):
             raise api_error_from(e) from None
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
+        choice, num_output_tokens = self._choice(req, params, prompt, prompt_ids, final)
+        body = CompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=[choice],
+            usage=usage_of(len(prompt_ids), num_output_tokens, final.num_cached_tokens),
+        )
+        return JSONResponse(with_kv_transfer_params(dump(body), final))
+
+    def _choice(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_ids: list[int],
+        final: Any,
+    ) -> tuple[CompletionChoice, int]:
+        """The choice of a finished request and its output token count: the echoed prompt
+        first (``echo``), no generated token for ``max_tokens: 0``, and ``prompt_logprobs`` in
+        vLLM's shape when asked."""
         comp = final.outputs[0]
+        with_logprobs = req.logprobs is not None
         scoring_only = req.max_tokens == 0
         text, token_ids, entries = comp.text, comp.token_ids, comp.logprobs
         if scoring_only:
@@ -143,13 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
             ),
             **self._token_ids(token_ids),
         )
-        body = CompletionResponse(
-            id=request_id,
-            model=self.served_model_name,
-            choices=[choice],
-            usage=usage_of(len(prompt_ids), len(token_ids), final.num_cached_tokens),
-        )
-        return JSONResponse(with_kv_transfer_params(dump(body), final))
+        return choice, len(token_ids)
 
     def check_echo(self, req: CompletionRequest) -> None:
         """The rules of ``echo`` and ``max_tokens: 0``.
