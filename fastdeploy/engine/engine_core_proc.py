@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastdeploy.core.outputs import EngineOutputList
 from fastdeploy.engine.engine_loop import Command, Emit, EngineLoop, StopLoop
+from fastdeploy.engine.pipe_frames import FrameReader
 
 if TYPE_CHECKING:
     from fastdeploy.config import FDConfig
@@ -111,6 +112,8 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reading = False
+        self._watching: int | None = None
+        self._lost_reported = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emit: Emit | None = None
         #: Called (on the loop's thread) after ``dead`` when the pipe from the engine closes
@@ -172,24 +175,60 @@ class EngineCoreClient:
         """Read the engine's messages on ``loop`` (its thread calls ``emit(kind, *args)`` for
         each one, and ``emit("dead", error)`` when the engine process ends other than by
         :meth:`send` of ``StopLoop``). The asyncio thread reads the pipe itself when it is
-        readable: a reader thread would have to take the GIL from the asyncio thread for every
-        step (up to the 5 ms switch interval while that thread encodes streams) and then hand
-        each message over."""
+        readable, through :class:`~fastdeploy.engine.pipe_frames.FrameReader` (a message larger
+        than the pipe's buffer arrives over several wake-ups): a reader thread would have to
+        take the GIL from the asyncio thread for every step (up to the 5 ms switch interval
+        while that thread encodes streams) and then hand each message over.
+
+        The engine is declared dead on end-of-file of the pipe, or (for the process that
+        started it) when its process exits, and on nothing else: a read that finds no data
+        yet is not an end."""
         self._loop = loop
         self._emit = emit
+        self._frames = FrameReader(self._out.fileno())
         loop.add_reader(self._out.fileno(), self._on_readable)
         self._reading = True
+        sentinel = self._sentinel()
+        if sentinel is not None:
+            loop.add_reader(sentinel, self._on_exit)
+            self._watching = sentinel
+
+    def _sentinel(self) -> int | None:
+        """A descriptor that becomes readable when the engine process exits (None: only the
+        pipe can tell)."""
+        return None
 
     def _on_readable(self) -> None:
         try:
-            while self._out.poll():
-                self._emit(*self._out.recv())
-        except (EOFError, OSError):
-            self._stop_reading()
-            if not self._stopping:
-                self._emit("dead", EngineProcessExitedError(self._exit_note()))
-                if self.on_engine_lost is not None:
-                    self.on_engine_lost()
+            messages, eof = self._frames.read()
+        except OSError as e:  # EBADF and the like: this end cannot read the pipe any more
+            logger.error("reading the engine's pipe failed: %s", e)
+            messages, eof = [], True
+        for message in messages:
+            self._emit(*message)
+        if eof:
+            self._lost()
+
+    def _on_exit(self) -> None:
+        """The engine process exited: read what it sent before it did, then report it."""
+        self._unwatch()
+        if self._reading:
+            self._on_readable()
+        self._lost()
+
+    def _lost(self) -> None:
+        self._stop_reading()
+        self._unwatch()
+        if not self._stopping and not self._lost_reported:
+            self._lost_reported = True
+            self._emit("dead", EngineProcessExitedError(self._exit_note()))
+            if self.on_engine_lost is not None:
+                self.on_engine_lost()
+
+    def _unwatch(self) -> None:
+        if self._watching is not None:
+            self._loop.remove_reader(self._watching)
+            self._watching = None
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -219,6 +258,8 @@ class EngineCoreClient:
         """Stop reading and close the pipes (after :meth:`join`; on the loop's thread)."""
         self._stopping = True
         self._stop_reading()
+        if self._loop is not None:
+            self._unwatch()
         self._cmd.close()
         self._out.close()
 
@@ -280,6 +321,9 @@ class EngineCoreProcess(EngineCoreClient):
 
     def _engine_alive(self) -> bool:
         return self.proc.is_alive()
+
+    def _sentinel(self) -> int | None:
+        return self.proc.sentinel
 
     def _started_with_error(self) -> None:
         self.proc.join(10)  # it exits by itself: let it, before kill() would

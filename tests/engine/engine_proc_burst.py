@@ -4,7 +4,8 @@ writes step messages, so neither pipe may wait on its reader. Run as a script; p
 
 Used by ``test_engine_core_proc.py`` (a deadlock there would hang, so it runs this in a process
 of its own with a time limit). Arguments: requests, prompt tokens, text bytes per output, and
-optionally max tokens per request (default 400).
+optionally max tokens per request (default 400); the word ``uvloop`` anywhere runs the server's
+side on uvloop, as ``fastdeploy serve`` does.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def start_core(text: int):
     cmd_recv, core._cmd = ctx.Pipe(duplex=False)
     core._out, out_send = ctx.Pipe(duplex=False)
     core._send_lock = threading.Lock()
-    core._stopping = core._reading = False
-    core._loop = core._emit = None
+    core._stopping = core._reading = core._lost_reported = False
+    core._loop = core._emit = core._watching = core.on_engine_lost = None
+    core.extra_frontends = []
     core.proc = ctx.Process(target=engine_main, args=(cmd_recv, out_send, text))
     core.proc.start()
     cmd_recv.close()
@@ -119,4 +121,10 @@ async def main(n: int, prompt_len: int, text: int, max_tokens: int = 400) -> Non
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*map(int, sys.argv[1:5])))
+    numbers = [int(a) for a in sys.argv[1:] if a.isdigit()]
+    if "uvloop" in sys.argv[1:]:  # the server's event loop: it makes a reader's fd non-blocking
+        import uvloop
+
+        uvloop.run(main(*numbers))
+    else:
+        asyncio.run(main(*numbers))
