@@ -248,6 +248,13 @@ class ServerMetrics:
             registry=r,
             multiprocess_mode=ENGINE_GAUGE_MODE,
         )
+        self.engine_stalled = Gauge(
+            "fastdeploy:engine_stalled",
+            "1 while the engine has not finished a step for longer than --engine-stall-timeout "
+            "with work to do (/health answers 503), else 0.",
+            registry=r,
+            multiprocess_mode=ENGINE_GAUGE_MODE,
+        )
         self._last_totals: dict[str, float] = {}
         for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
@@ -328,6 +335,12 @@ class ServerMetrics:
         self.host_pending_stores.set(stats["host_pending_stores"])
         self.host_cache_usage.set(stats["host_cache_usage"])
         self.num_waiting_for_swap_in.set(stats.get("num_waiting_for_swap_in", 0))
+
+    def observe_stalled(self, stalled: bool) -> None:
+        """The engine became stalled (True) or made progress again (False); recorded where
+        ``engine_stats`` is True, as the engine's other gauges."""
+        if self.engine_stats:
+            self.engine_stalled.set(1 if stalled else 0)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         """A request's prefill finished and its first token came out."""

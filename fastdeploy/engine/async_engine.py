@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -51,12 +52,15 @@ from fastdeploy.engine.engine_loop import (
     Wake,
 )
 from fastdeploy.engine.request_stream import RequestOutputs, RequestStream
+from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, StallWatch
 from fastdeploy.metrics import ServerMetrics, StepTokens
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a client is told to wait (``Retry-After``) when the request queue is full.
 RETRY_AFTER_S = 1
+#: Seconds between the checks that log a stalled engine and set its metric.
+STALL_CHECK_EVERY_S = 1.0
 
 
 class QueueFullError(RuntimeError):
@@ -110,6 +114,12 @@ class AsyncLLMEngine:
         max_concurrency: requests admitted at once (running + waiting); more raise
             :class:`QueueFullError`. ``None`` means no limit.
         metrics: where to record; a fresh :class:`ServerMetrics` by default.
+        engine_stall_timeout_s: seconds without a finished step, while there is work, after
+            which :meth:`stall_reason` reports the engine as stalled (``/health`` answers 503);
+            None or 0: never (:mod:`~fastdeploy.engine.stall_watch`).
+
+    Raises:
+        ValueError: a bad ``engine_stall_timeout_s``.
     """
 
     def __init__(
@@ -118,7 +128,10 @@ class AsyncLLMEngine:
         output_processor: Any = None,
         max_concurrency: int | None = None,
         metrics: ServerMetrics | None = None,
+        engine_stall_timeout_s: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S,
     ) -> None:
+        self._stall = StallWatch(engine_stall_timeout_s)
+        self._stall_logged: str | None = None
         if output_processor is None:
             from fastdeploy.engine.output_processor import OutputProcessor
 
@@ -155,7 +168,10 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() called twice")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        self._stall.progress(engine_busy=False)  # the loop starts now, idle
         self._core.start(self._dispatch, self._loop)
+        if self._stall.timeout_s is not None:
+            self._loop.call_later(STALL_CHECK_EVERY_S, self._check_stall)
 
     @property
     def is_running(self) -> bool:
@@ -165,6 +181,31 @@ class AsyncLLMEngine:
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
         return self._core.describe()
+
+    @property
+    def engine_pid(self) -> int:
+        """The process the engine loop runs in (this one for an engine on a thread)."""
+        return getattr(self._core, "engine_pid", None) or os.getpid()
+
+    def stall_reason(self) -> str | None:
+        """Why the engine counts as stalled (no step finished for longer than
+        ``engine_stall_timeout_s`` while there is work), or None."""
+        return self._stall.reason(len(self._tracked))
+
+    def _check_stall(self) -> None:
+        """Log a stall as it starts and ends and keep its metric current; every
+        :data:`STALL_CHECK_EVERY_S` while the engine runs (on the asyncio thread)."""
+        if self._dead is not None:
+            return
+        reason = self.stall_reason()
+        if (reason is None) != (self._stall_logged is None):
+            if reason is not None:
+                logger.error("%s; /health answers 503 until steps resume", reason)
+            else:
+                logger.warning("the engine finished a step again; /health answers 200")
+            self.metrics.observe_stalled(reason is not None)
+        self._stall_logged = reason
+        self._loop.call_later(STALL_CHECK_EVERY_S, self._check_stall)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after the current step, fail in-flight requests, shut the engine down."""
@@ -209,6 +250,7 @@ class AsyncLLMEngine:
         if self.max_concurrency is not None and len(self._tracked) >= self.max_concurrency:
             raise QueueFullError(self.max_concurrency, limit=self.max_concurrency_note)
         self._processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
+        self._stall.work_added(len(self._tracked))
         outputs = RequestOutputs()
         self._tracked[request_id] = _Tracked(outputs, len(prompt_token_ids), time.monotonic())
         self._core.send(
@@ -265,6 +307,7 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- callbacks (asyncio side)
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
+        self._stall.progress(bool(stats.get("num_running") or stats.get("num_waiting")))
         self.metrics.observe_stats(stats)
 
     def _on_step(self, outputs: list, stats: dict, now: float) -> None:

@@ -134,6 +134,8 @@ class EngineCoreClient:
         self.max_model_len: int = self.admission.max_model_len
         self.max_model_len_note: str | None = self.admission.max_model_len_note
         self.vocab_size: int = self.admission.vocab_size
+        #: The engine process's pid (for ``/v1/server_info``: what to watch or signal).
+        self.engine_pid: int | None = info.get("pid")
         self._describe = {"config": info["config"], "graph_plan": info["graph_plan"]}
 
     def _engine_alive(self) -> bool:

@@ -50,10 +50,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 
 @contextmanager
 def serve_in_thread(
-    engine, served_model_name: str = "fake-model", max_concurrency: int | None = None
+    engine,
+    served_model_name: str = "fake-model",
+    max_concurrency: int | None = None,
+    **engine_kwargs,
 ) -> Iterator[tuple[str, AsyncLLMEngine]]:
-    """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>; yields (url, engine)."""
-    async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency)
+    """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>; yields (url, engine).
+    ``engine_kwargs`` go to :class:`AsyncLLMEngine` (``engine_stall_timeout_s``, ...)."""
+    async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency, **engine_kwargs)
     app = build_app(async_engine, served_model_name)
     port = free_port()
     config = uvicorn.Config(

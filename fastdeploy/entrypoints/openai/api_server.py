@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, check_stall_timeout
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
@@ -91,6 +92,14 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="API server processes serving the port, all in front of one engine process "
         "(vLLM's flag): spreads the HTTP and SSE work of many concurrent streams over more "
         "cores; --max-concurrency is shared out among them (default: 1)",
+    )
+    server.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        help="seconds the engine may go without finishing a step while it has work before "
+        "/health answers 503 (stalled; 200 again when steps resume); 0: never "
+        f"(default: {DEFAULT_ENGINE_STALL_TIMEOUT_S:g})",
     )
     server.add_argument(
         "--log-level",
@@ -182,6 +191,7 @@ def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan)
         "max_concurrency": args.max_concurrency,
         "engine_process": not args.disable_frontend_multiprocessing,
         "api_server_count": args.api_server_count,
+        "engine_stall_timeout": args.engine_stall_timeout,
     }
     not_supported = config.not_supported_yet()
     role = config.parallel_config.splitwise_role
@@ -225,6 +235,11 @@ def run_server(args: argparse.Namespace) -> int:
             f"error: --max-concurrency={args.max_concurrency} is invalid; allowed: an integer >= 1",
             file=sys.stderr,
         )
+        return 2
+    try:
+        check_stall_timeout(args.engine_stall_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     count = args.api_server_count
     if count < 1 or count > args.max_concurrency:
@@ -351,6 +366,7 @@ def serve(
         core,
         max_concurrency=concurrency_share(args.max_concurrency, count, index),
         metrics=metrics,
+        engine_stall_timeout_s=args.engine_stall_timeout,
     )
     if count > 1:
         engine.max_concurrency_note = (

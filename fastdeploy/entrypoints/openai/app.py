@@ -1,7 +1,8 @@
 """The FastAPI app of the OpenAI-compatible server, and the uvicorn server that runs it.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, graph
+``GET /health`` (503 when the engine loop stopped, or stalled: ``--engine-stall-timeout``),
+``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, graph
 plan, live engine stats).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
@@ -110,9 +111,12 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_running:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        if not engine.is_running:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        stalled = engine.stall_reason()  # alive, but no step ends (--engine-stall-timeout)
+        if stalled is not None:
+            return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -131,6 +135,7 @@ def build_app(
                 "max_model_len_note": engine.max_model_len_note,
                 "max_concurrency": engine.max_concurrency,
                 "api_server": {"index": api_server[0], "count": api_server[1], "pid": os.getpid()},
+                "engine_pid": engine.engine_pid,
                 "config": described.get("config"),
                 "graph_plan": described.get("graph_plan"),
                 "num_in_flight": engine.num_in_flight,
