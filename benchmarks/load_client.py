@@ -47,19 +47,15 @@ class LoadResult:
         if outcome == "error" and len(self.errors) < 20:
             self.errors.append(detail)
 
-    def merge(self, other: LoadResult) -> None:
-        self.counts.update(other.counts)
-        self.errors += other.errors[: max(0, 20 - len(self.errors))]
-        self.seconds += other.seconds
-
     def as_dict(self) -> dict:
         return {**{k: self.counts[k] for k in OUTCOMES}, "seconds": round(self.seconds, 2)}
 
 
 def completion_body(index: int, max_tokens: int, ignore_eos: bool = True) -> bytes:
-    """A short streamed ``/v1/completions`` body; the prompt differs per ``index``."""
+    """A streamed ``/v1/completions`` body with a prompt of a few tokens (it differs per
+    ``index``) and the closing usage event."""
     body = {
-        "prompt": f"Request {index}: list three colours.",
+        "prompt": f"Hi {index}",
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": ignore_eos,
@@ -170,12 +166,14 @@ async def run_wave(
     leave_every: int = 2,
     timeout_s: float = 300.0,
     first_index: int = 0,
+    result: LoadResult | None = None,
 ) -> LoadResult:
     """``num`` streams started at once against ``url`` (``http://host:port``); every
-    ``leave_every``-th one (0: none) leaves after its first token. Returns the outcomes."""
+    ``leave_every``-th one (0: none) leaves after its first token. Returns the outcomes (added
+    to ``result`` as each request ends, when given: a reader sees them grow)."""
     parsed = urlparse(url)
     host, port = parsed.hostname, parsed.port or 80
-    result = LoadResult()
+    result = LoadResult() if result is None else result
     start = time.monotonic()
 
     async def one(i: int) -> None:
@@ -185,7 +183,7 @@ async def run_wave(
         result.add(outcome, detail)
 
     await asyncio.gather(*(one(i) for i in range(num)))
-    result.seconds = time.monotonic() - start
+    result.seconds += time.monotonic() - start
     return result
 
 

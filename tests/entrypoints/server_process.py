@@ -26,10 +26,16 @@ class Process:
         command: ``serve`` or ``router``.
         args: its further arguments (``--host`` and ``--port`` are added).
         count: API server processes that must answer before it counts as up (``serve``).
+        env: environment variables to set for it (``FD_CPU_KV_CACHE_SPACE``, ...).
     """
 
     def __init__(
-        self, tmp_path: Path, command: str, args: list[str], count: int = 1
+        self,
+        tmp_path: Path,
+        command: str,
+        args: list[str],
+        count: int = 1,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,7 +43,7 @@ class Process:
         metrics_dir = tmp_path / f"metrics-{self.port}"
         metrics_dir.mkdir()
         # A server killed with SIGKILL cannot remove a metrics directory it made itself.
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+        env = {**os.environ, **(env or {}), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
         if "--api-server-count" not in args:
             env.pop("PROMETHEUS_MULTIPROC_DIR")
         with open(self.log_path, "wb") as log:
@@ -96,11 +102,13 @@ class Process:
         self.kill()
 
 
-def serve(tmp_path: Path, *args: str, count: int = 1) -> Process:
+def serve(
+    tmp_path: Path, *args: str, count: int = 1, env: dict[str, str] | None = None
+) -> Process:
     """``fastdeploy serve`` with the default model and ``args`` (``count`` API server
-    processes)."""
+    processes; ``env``: variables to set)."""
     extra = ["--api-server-count", str(count)] if count > 1 else []
-    return Process(tmp_path, "serve", [*args, *extra], count=count)
+    return Process(tmp_path, "serve", [*args, *extra], count=count, env=env)
 
 
 def router(tmp_path: Path, *backends: str) -> Process:
