@@ -97,8 +97,10 @@ class Probe:
 def row(elapsed: float, result: LoadResult, s: dict) -> str:
     """One line of the table."""
     c = result.counts
-    values = (f"{elapsed:.0f}", c["ok"], c["aborted"], c["429"], c["error"],
-              s.get("server_MiB"), s.get("engine_MiB"), s["kv_used"], s["kv_free"], s["health"])  # fmt: skip
+    values = (
+        f"{elapsed:.0f}", c["ok"], c["aborted"], c["429"], c["error"], s.get("server_MiB"),
+        s.get("engine_MiB"), s["kv_used"], s["kv_free"], s["health"],
+    )  # fmt: skip
     return "  ".join(f"{row_value(v):>10}" for v in values)
 
 
@@ -226,20 +228,39 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, start the server unless ``--url``, soak; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start fastdeploy serve here)")
-    p.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS,
-                   help=f"arguments of the server it starts (default: {DEFAULT_SERVE_ARGS!r})")
+    p.add_argument(
+        "--serve-args",
+        default=DEFAULT_SERVE_ARGS,
+        help=f"arguments of the server it starts (default: {DEFAULT_SERVE_ARGS!r})",
+    )
     p.add_argument("--duration", type=float, default=600, help="seconds (default: 600)")
     p.add_argument("--report-every", type=float, default=30, help="seconds per row (default: 30)")
     p.add_argument("--streams", type=int, default=128, help="streams per wave (default: 128)")
-    p.add_argument("--burst", type=int, default=600,
-                   help="streams of a burst wave, above --max-concurrency (default: 600)")
-    p.add_argument("--burst-every", type=int, default=5,
-                   help="every N-th wave is a burst; 0: none (default: 5)")
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=600,
+        help="streams of a burst wave, above --max-concurrency (default: 600)",
+    )
+    p.add_argument(
+        "--burst-every",
+        type=int,
+        default=5,
+        help="every N-th wave is a burst; 0: none (default: 5)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per stream (default: 8)")
-    p.add_argument("--leave-every", type=int, default=2,
-                   help="every N-th client leaves after its first token; 0: none (default: 2)")
-    p.add_argument("--rss-growth", type=float, default=0.10,
-                   help="largest RSS growth allowed per process, a fraction (default: 0.10)")
+    p.add_argument(
+        "--leave-every",
+        type=int,
+        default=2,
+        help="every N-th client leaves after its first token; 0: none (default: 2)",
+    )
+    p.add_argument(
+        "--rss-growth",
+        type=float,
+        default=0.10,
+        help="largest RSS growth allowed per process, a fraction (default: 0.10)",
+    )
     args = p.parse_args(argv)  # fmt: skip
     for name in ("duration", "report_every", "streams", "burst", "max_tokens"):
         if not getattr(args, name) > 0:

@@ -102,9 +102,7 @@ class Process:
         self.kill()
 
 
-def serve(
-    tmp_path: Path, *args: str, count: int = 1, env: dict[str, str] | None = None
-) -> Process:
+def serve(tmp_path: Path, *args: str, count: int = 1, env: dict[str, str] | None = None) -> Process:
     """``fastdeploy serve`` with the default model and ``args`` (``count`` API server
     processes; ``env``: variables to set)."""
     extra = ["--api-server-count", str(count)] if count > 1 else []

@@ -67,45 +67,54 @@ def test_thread_engine_stalled_then_resumed():
     engine = FreezableEngine()
     threshold = 1.0
     with serve_in_thread(engine, engine_stall_timeout_s=threshold) as (url, _):
-        # Idle for longer than the threshold (the loop waits for commands): healthy.
-        time.sleep(threshold * 2)
-        assert health(url) == (200, {"status": "ok"})
-        engine.go.clear()
-        events: list = []
-        body = {"prompt": "hello", "max_tokens": 12, "ignore_eos": True, "stream": True}
-        thread = stream_in_background(url, body, events)
-        wait_until(lambda: engine.frozen_steps > 0, 10, "a step to block")
-        frozen_at = time.monotonic()
-        assert health(url)[0] == 200  # within the threshold
-        wait_until(lambda: health(url)[0] == 503, threshold + 5, "/health to answer 503")
-        seen_after = time.monotonic() - frozen_at
-        assert threshold < seen_after < threshold + 2, seen_after
-        status, body_503 = health(url)
-        assert status == 503 and body_503["status"] == "stalled", body_503
-        assert "has not finished a step for" in body_503["reason"]
-        assert "1 request(s) in flight" in body_503["reason"]
-        assert "--engine-stall-timeout=1" in body_503["reason"]
-        wait_until(lambda: metric_samples(url)[STALLED] == 1, 5, "engine_stalled 1")
-        engine.go.set()
-        wait_until(lambda: health(url)[0] == 200, 5, "/health to answer 200 again")
-        thread.join(30)
-        assert events[-1] == "[DONE]", events[-3:]
-        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
-        assert len(text) == 12 and events[-2]["choices"][0]["finish_reason"] == "length"
-        wait_until(lambda: metric_samples(url)[STALLED] == 0, 5, "engine_stalled 0")
+        try:
+            check_stalled_then_resumed(url, engine, threshold)
+        finally:
+            engine.go.set()  # a failed check must not leave the server's loop blocked
+
+
+def check_stalled_then_resumed(url: str, engine: FreezableEngine, threshold: float) -> None:
+    """Idle, then frozen with a request in flight (503), then let go (200, completed)."""
+    # Idle for longer than the threshold (the loop waits for commands): healthy.
+    time.sleep(threshold * 2)
+    assert health(url) == (200, {"status": "ok"})
+    engine.go.clear()
+    events: list = []
+    body = {"prompt": "hello", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    sent_at = time.monotonic()  # the stall clock starts when the server queues it, later
+    thread = stream_in_background(url, body, events)
+    wait_until(lambda: engine.frozen_steps > 0, 10, "a step to block")
+    wait_until(lambda: health(url)[0] == 503, threshold + 5, "/health to answer 503")
+    seen_after = time.monotonic() - sent_at
+    assert threshold < seen_after < threshold + 2, seen_after
+    status, body_503 = health(url)
+    assert status == 503 and body_503["status"] == "stalled", body_503
+    assert "has not finished a step for" in body_503["reason"]
+    assert "1 request(s) in flight" in body_503["reason"]
+    assert "--engine-stall-timeout=1" in body_503["reason"]
+    wait_until(lambda: metric_samples(url)[STALLED] == 1, 5, "engine_stalled 1")
+    engine.go.set()
+    wait_until(lambda: health(url)[0] == 200, 5, "/health to answer 200 again")
+    thread.join(30)
+    assert events[-1] == "[DONE]", events[-3:]
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert len(text) == 12 and events[-2]["choices"][0]["finish_reason"] == "length"
+    wait_until(lambda: metric_samples(url)[STALLED] == 0, 5, "engine_stalled 0")
 
 
 def test_zero_turns_the_check_off():
     engine = FreezableEngine()
     with serve_in_thread(engine, engine_stall_timeout_s=0) as (url, _):
         engine.go.clear()
-        events: list = []
-        body = {"prompt": "hi", "max_tokens": 3, "stream": True}
-        thread = stream_in_background(url, body, events)
-        wait_until(lambda: engine.frozen_steps > 0, 10, "a step to block")
-        time.sleep(1.5)
-        assert health(url) == (200, {"status": "ok"})
-        engine.go.set()
+        try:
+            events: list = []
+            body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+            thread = stream_in_background(url, body, events)
+            wait_until(lambda: engine.frozen_steps > 0, 10, "a step to block")
+            time.sleep(1.5)
+            assert health(url) == (200, {"status": "ok"})
+        finally:
+            engine.go.set()
         thread.join(30)
         assert events[-1] == "[DONE]"
 
