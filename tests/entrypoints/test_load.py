@@ -4,12 +4,12 @@ concurrent streams, through the server and through ``fastdeploy router`` in fron
 * 1,000 streams at once, 4 tokens each after a prompt of a few tokens (CPU time is the limit),
   every other client leaving after its first token. Each request completes, aborts cleanly or
   gets a 429 from ``--max-concurrency`` (512, the default); nothing else: no other status, no
-  error event, no broken stream. The server's counters agree: every admitted request finished by ``length`` or ``abort`` (none by ``error``), every 429 is a
-  ``queue_full`` refusal. Afterwards every KV block is free, ``/health`` is 200 (server and
-  router), and the RSS of the server process and of the engine process is within 10% of its level
-  before (measured after a first wave of the same size, so that what the allocators keep from
-  first use is not counted; ``VmRSS`` of ``/proc/<pid>/status``, the engine's pid from
-  ``/v1/server_info``).
+  error event, no broken stream. The server's counters agree: every admitted request finished
+  by ``length`` or ``abort`` (none by ``error``), every 429 is a ``queue_full`` refusal.
+  Afterwards every KV block is free, ``/health`` is 200 (server and router), and the RSS of the
+  server process and of the engine process is within 10% of its level before (measured after a
+  first wave of the same size, so that what the allocators keep from first use is not counted;
+  ``VmRSS`` of ``/proc/<pid>/status``, the engine's pid from ``/v1/server_info``).
 * 300 streams at once with the engine batching them all (``--max-num-seqs 320``): each step's
   message up the engine's pipe carries about 300 outputs, more than the 64 KiB pipe buffer; with
   ``--api-server-count 2``, 600 streams (each process gets its own requests' outputs, so one of
