@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from fastdeploy.core.sampling_params import StopLimits
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.app import build_app
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
@@ -57,13 +58,17 @@ def serve_in_thread(
     limits: HTTPLimits | None = None,
     api_keys: tuple[str, ...] = (),
     http: str = "auto",
+    stop_limits: StopLimits | None = None,
 ) -> Iterator[tuple[str, AsyncLLMEngine]]:
     """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>, with the request
     ``limits`` (defaults when None) on uvicorn's ``http`` protocol (``auto``, ``httptools``,
-    ``h11``) and ``api_keys``, as ``fastdeploy serve`` does; yields (url, engine)."""
+    ``h11``), ``api_keys`` and ``stop_limits``, as ``fastdeploy serve`` does; yields (url,
+    engine)."""
     async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency)
     limits = limits or HTTPLimits()
-    app = build_app(async_engine, served_model_name, limits=limits, api_keys=api_keys)
+    app = build_app(
+        async_engine, served_model_name, limits=limits, stop_limits=stop_limits, api_keys=api_keys
+    )
     port = free_port()
     config = uvicorn.Config(
         app,

@@ -87,6 +87,20 @@ def test_a_1_mb_header_is_refused_with_431_and_counted(server):
     assert httpx.get(server + "/health", timeout=5).status_code == 200
 
 
+def test_a_100_kb_header_sent_at_once_is_refused_too(server):
+    """A head that arrives whole in one read passes both parsers' own checks; it is measured
+    again before the app runs."""
+    before = rejected(server, "header_size")
+    sock = connect(server)
+    with sock:
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
+        send_until_answered(sock, head, chunk=len(head))
+        status, body, _ = read_response(sock)
+    assert status == 431
+    assert "65536 bytes" in body["error"]["message"]
+    assert rejected(server, "header_size") - before == 1
+
+
 def test_10000_headers_are_refused_with_431_and_counted(server):
     before = rejected(server, "header_size") + rejected(server, "header_count")
     sock = connect(server)
@@ -195,3 +209,45 @@ def test_large_bodies_and_many_requests_on_one_connection_are_not_head_bytes(ser
     body = {"prompt": [5, 6], "max_tokens": 2}
     assert httpx.post(server + "/v1/completions", json=body, timeout=10).status_code == 200
     assert rejected(server, "header_size") == before
+
+
+def test_the_flags_set_the_limits_and_print_config_shows_them():
+    """Each flag is a knob that acts: parsed into the limits the server runs with, shown by
+    --print-config, and a bad value names its flag."""
+    from fastdeploy.entrypoints.openai.api_server import make_arg_parser, request_limits
+
+    args = make_arg_parser().parse_args(
+        ["--h11-max-header-count", "10", "--h11-max-incomplete-event-size", "2048"]
+        + ["--max-request-body-bytes", "4096", "--request-read-timeout", "2.5"]
+        + ["--max-stop-strings", "2", "--max-stop-chars", "8", "--max-stop-token-ids", "3"]
+    )
+    http, stop = request_limits(args)
+    assert http == HTTPLimits(10, 2048, 4096, 2.5)
+    assert (stop.max_stop_strings, stop.max_stop_chars, stop.max_stop_token_ids) == (2, 8, 3)
+    args.max_stop_strings = 5000
+    with pytest.raises(ValueError, match=r"^--max-stop-strings=5000 is invalid; allowed: an "):
+        request_limits(args)
+
+
+def test_lowered_limits_act_on_a_server():
+    from fastdeploy.core.sampling_params import StopLimits
+
+    limits = HTTPLimits(max_header_count=10, max_header_bytes=2048, max_body_bytes=4096)
+    with fake_server(limits=limits, stop_limits=StopLimits(2, 8, 3)) as (url, _, _):
+        body = {"prompt": [5], "max_tokens": 2, "stop": ["a", "b"]}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={**body, "stop": ["a", "b", "c"]}, timeout=10)
+        assert r.status_code == 400 and "more than the cap of 2 (--max-stop-strings)" in r.text
+        r = httpx.post(url + "/v1/completions", json={**body, "stop": ["a" * 9]}, timeout=10)
+        assert r.status_code == 400 and "cap of 8 (--max-stop-chars)" in r.text
+        r = httpx.post(
+            url + "/v1/completions", json={**body, "stop_token_ids": [1] * 4}, timeout=10
+        )
+        assert r.status_code == 400 and "cap of 3 (--max-stop-token-ids)" in r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 5000}, timeout=10)
+        assert r.status_code == 413
+        headers = {f"x-h{i}": "v" for i in range(10)}
+        assert httpx.get(url + "/v1/models", headers=headers, timeout=10).status_code == 431
+        r = httpx.get(url + "/v1/models", headers={"x-pad": "p" * 3000}, timeout=10)
+        assert r.status_code == 431
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200

@@ -22,7 +22,9 @@ Where each is enforced, and why there (libraries' own settings first):
   response), so the same protocol classes arm one when a connection opens or a head starts;
 * header count, body size, body read timeout: neither uvicorn nor its parsers have them, so an
   ASGI middleware (:class:`RequestLimitsMiddleware`) enforces them; the header count can wait for
-  the app because the header block's size is already bounded.
+  the app because the header block's size is already bounded. Both parsers (h11's own limit too)
+  let a head past the size limit when it arrived whole in one read (at most 256 KiB), so the
+  middleware measures the headers again: the limit is exact.
 """
 
 from __future__ import annotations
@@ -301,6 +303,17 @@ class RequestLimitsMiddleware:
                 "header_count",
                 f"the request has {len(headers)} headers; allowed: at most "
                 f"{limits.max_header_count} (--h11-max-header-count)",
+                "request_header_fields_too_large",
+            )
+        # The protocol refuses a head still incomplete past the limit; one that arrived whole in
+        # a single read (at most 256 KiB) is measured here, so the limit is exact.
+        size = sum(len(name) + len(value) + 4 for name, value in headers)
+        if size > limits.max_header_bytes:
+            raise _Refusal(
+                431,
+                "header_size",
+                f"the request's headers are {size} bytes; allowed: at most "
+                f"{limits.max_header_bytes} bytes (--h11-max-incomplete-event-size)",
                 "request_header_fields_too_large",
             )
         for name, value in headers:
