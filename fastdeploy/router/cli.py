@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 
+from fastdeploy import envs
 from fastdeploy.entrypoints.openai.auth import resolve_api_keys
 from fastdeploy.router.config import POLICIES, RouterConfig
-
-#: Environment variable of ``--backend-api-key`` (kept out of the process list).
-BACKEND_API_KEY_ENV = "FD_BACKEND_API_KEY"
 
 
 def make_router_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -82,7 +79,7 @@ def make_router_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         metavar="KEY",
         help="the key the router sends to its backends ('Authorization: Bearer <KEY>', on "
         "every request: both PD legs, /v1/models, health polls): their --api-key; unset, "
-        f"{BACKEND_API_KEY_ENV} (default: none)",
+        f"{envs.FD_BACKEND_API_KEY.name} (default: none)",
     )
     parser.add_argument(
         "--log-level",
@@ -99,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     Raises:
         ValueError: a bad URL, a missing or extra pool, or a bad number (naming it).
     """
-    backend_key = args.backend_api_key or os.environ.get(BACKEND_API_KEY_ENV) or None
+    backend_key = args.backend_api_key or envs.FD_BACKEND_API_KEY() or None
     if backend_key is not None:
         resolve_api_keys([backend_key], flag="--backend-api-key")
     return RouterConfig(
