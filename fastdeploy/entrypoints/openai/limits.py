@@ -25,6 +25,12 @@ Where each is enforced, and why there (libraries' own settings first):
   the app because the header block's size is already bounded. Both parsers (h11's own limit too)
   let a head past the size limit when it arrived whole in one read (at most 256 KiB), so the
   middleware measures the headers again: the limit is exact.
+
+Not used: uvicorn's ``limit_concurrency``. It counts open connections and answers every new
+request with 503 past it, so slow or idle connections (exactly what an attacker holds open) would
+lock out legitimate clients; ``--max-concurrency`` caps requests instead (429), and the read
+timeout bounds how long a connection may stay without a request. uvicorn's own
+``timeout_keep_alive`` (5 s) still closes idle connections between requests.
 """
 
 from __future__ import annotations
