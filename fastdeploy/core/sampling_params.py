@@ -26,8 +26,13 @@ MAX_STOP_LIMITS = (1024, 65536, 4096)
 
 
 class StopLimitError(ValueError):
-    """A request's stop conditions exceed a cap of :class:`StopLimits` (the message names the
-    field, its count or length, and the cap)."""
+    """A request's stop conditions exceed a cap of :class:`StopLimits`: ``field`` (``stop`` or
+    ``stop_token_ids``) is the one at fault; the message names it, its count or length, and the
+    cap."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,8 @@ class StopLimits:
     """Caps on a request's stop conditions: the number of ``stop`` strings, their total length
     in characters, and the number of ``stop_token_ids``.
 
-    ``flags`` names where the caps come from in :meth:`check`'s message (the server's flags);
-    empty for the offline API's ceilings (:data:`MAX_STOP_LIMITS`).
+    ``flags``: :meth:`check`'s message names the server's flag of the cap (False for the
+    offline API's ceilings, :data:`MAX_STOP_LIMITS`).
 
     Raises:
         ValueError: a cap that is not an integer in 1..its ceiling, naming it.
@@ -66,8 +71,9 @@ class StopLimits:
                 source = f" (--{name.replace('_', '-')})" if self.flags else ""
                 field_name = "stop_token_ids" if name == "max_stop_token_ids" else "stop"
                 raise StopLimitError(
+                    field_name,
                     f"{field_name} has {count} {words}, more than the cap of {value}{source}; "
-                    f"allowed: at most {value} {words}"
+                    f"allowed: at most {value} {words}",
                 )
 
     @property

@@ -97,9 +97,8 @@ def sampling_params_from(
     try:
         (stop_limits or StopLimits()).check(stop, stop_token_ids)
     except StopLimitError as e:
-        param = str(e).split(" ", 1)[0]
         raise APIError(
-            400, str(e), param=param, code="invalid_value", reason="stop_limit"
+            400, str(e), param=e.field, code="invalid_value", reason="stop_limit"
         ) from None
     try:
         return SamplingParams(
