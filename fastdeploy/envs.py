@@ -142,6 +142,24 @@ FD_LOG_LEVEL = EnvVar(
     "--log-level).",
 )
 
+FD_API_KEY = EnvVar(
+    "FD_API_KEY",
+    "str | None",
+    _parse_str,
+    None,
+    "The API key of `fastdeploy serve` and `fastdeploy router` when --api-key is not given "
+    "(then VLLM_API_KEY, vLLM's variable, is read); clients send it as 'Authorization: Bearer "
+    "<key>'. The environment keeps the key out of the process list.",
+)
+
+FD_BACKEND_API_KEY = EnvVar(
+    "FD_BACKEND_API_KEY",
+    "str | None",
+    _parse_str,
+    None,
+    "The key `fastdeploy router` sends to its backends when --backend-api-key is not given.",
+)
+
 FD_USE_FUSED_OPS = EnvVar(
     "FD_USE_FUSED_OPS",
     "bool",

@@ -22,9 +22,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 GRAPH_MODES = ("full", "piecewise", "eager")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 #: Why a request was refused before it reached the engine (``fastdeploy:request_rejected``):
-#: a bad field (400), a prompt with no room for output (400 ``context_length_exceeded``), an
-#: unknown model (404), ``--max-concurrency`` reached (429), the engine loop stopped (503).
-REJECT_REASONS = ("invalid", "context_length", "model_not_found", "queue_full", "unavailable")
+#: a bad field or malformed HTTP (400), a prompt with no room for output (400
+#: ``context_length_exceeded``), an unknown model (404), ``--max-concurrency`` reached (429), the
+#: engine loop stopped (503); the request limits (:mod:`fastdeploy.entrypoints.openai.limits`):
+#: too many headers or too large a header block (431), too large a body (413), a request not
+#: received in time (408), stop conditions over their caps (400); a missing or wrong
+#: ``--api-key`` (401).
+REJECT_REASONS = (
+    "invalid",
+    "context_length",
+    "model_not_found",
+    "queue_full",
+    "unavailable",
+    "header_count",
+    "header_size",
+    "body_size",
+    "read_timeout",
+    "stop_limit",
+    "unauthorized",
+)
 
 #: How the engine's gauges combine over several API server processes (``--api-server-count``,
 #: Prometheus multiprocess mode): only the primary process sets them, the others leave them 0.

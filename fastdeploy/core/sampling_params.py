@@ -16,6 +16,74 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGPROBS = 20
 #: Range of ``frequency_penalty`` and ``presence_penalty`` (OpenAI's).
 PENALTY_RANGE = (-2.0, 2.0)
+#: The server's default caps on a request's stop conditions (``--max-stop-strings``,
+#: ``--max-stop-chars``, ``--max-stop-token-ids``). Every step of a request checks each of its
+#: stop strings against its new text, so their number and length are a cost per step: 10,000
+#: stop strings made every step of their request 7x slower (issue 43).
+DEFAULT_STOP_LIMITS = (64, 4096, 256)
+#: The ceilings of the same caps: what the offline API enforces, and the most the flags allow.
+MAX_STOP_LIMITS = (1024, 65536, 4096)
+
+
+class StopLimitError(ValueError):
+    """A request's stop conditions exceed a cap of :class:`StopLimits`: ``field`` (``stop`` or
+    ``stop_token_ids``) is the one at fault; the message names it, its count or length, and the
+    cap."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class StopLimits:
+    """Caps on a request's stop conditions: the number of ``stop`` strings, their total length
+    in characters, and the number of ``stop_token_ids``.
+
+    ``flags``: :meth:`check`'s message names the server's flag of the cap (False for the
+    offline API's ceilings, :data:`MAX_STOP_LIMITS`).
+
+    Raises:
+        ValueError: a cap that is not an integer in 1..its ceiling, naming it.
+    """
+
+    max_stop_strings: int = DEFAULT_STOP_LIMITS[0]
+    max_stop_chars: int = DEFAULT_STOP_LIMITS[1]
+    max_stop_token_ids: int = DEFAULT_STOP_LIMITS[2]
+    flags: bool = True
+
+    def __post_init__(self) -> None:
+        for name, ceiling in zip(_STOP_CAPS, MAX_STOP_LIMITS):
+            value = getattr(self, name)
+            check(
+                isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= ceiling,
+                name,
+                value,
+                f"an integer in 1..{ceiling}",
+            )
+
+    def check(self, stop: list[str], stop_token_ids: list[int]) -> None:
+        """Raise :class:`StopLimitError` when ``stop`` or ``stop_token_ids`` exceed a cap."""
+        counts = (len(stop), sum(map(len, stop)), len(stop_token_ids))
+        what = ("stop strings", "characters in all stop strings", "stop_token_ids")
+        for name, value, count, words in zip(_STOP_CAPS, self._caps, counts, what):
+            if count > value:
+                source = f" (--{name.replace('_', '-')})" if self.flags else ""
+                field_name = "stop_token_ids" if name == "max_stop_token_ids" else "stop"
+                raise StopLimitError(
+                    field_name,
+                    f"{field_name} has {count} {words}, more than the cap of {value}{source}; "
+                    f"allowed: at most {value} {words}",
+                )
+
+    @property
+    def _caps(self) -> tuple[int, int, int]:
+        return (self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
+
+
+_STOP_CAPS = ("max_stop_strings", "max_stop_chars", "max_stop_token_ids")
+#: The offline API's caps (the ceilings; a server applies its own, lower ones first).
+OFFLINE_STOP_LIMITS = StopLimits(*MAX_STOP_LIMITS, flags=False)
 
 
 def _finite_in(value: object, lo: float, hi: float) -> bool:
@@ -38,7 +106,9 @@ class SamplingParams:
     prefix has no logits, so its whole prompt is computed and ``num_cached_tokens`` is 0); its
     full blocks are still cached for others. A PD (splitwise) role or tensor parallelism refuses
     it. ``stop`` strings end generation and are cut from
-    the text; ``stop_token_ids`` end it too. ``ignore_eos`` keeps generating past eos
+    the text; ``stop_token_ids`` end it too (at most 1,024 stop strings of 65,536 characters in
+    all and 4,096 stop token ids: :data:`MAX_STOP_LIMITS`; a server's caps are lower,
+    :class:`StopLimits`). ``ignore_eos`` keeps generating past eos
     (benchmarks).
 
     ``min_tokens``: the first ``min_tokens`` output tokens never end the request: eos and every
@@ -136,6 +206,7 @@ class SamplingParams:
             self.stop_token_ids,
             "a list of token ids >= 0",
         )
+        OFFLINE_STOP_LIMITS.check(self.stop, self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(

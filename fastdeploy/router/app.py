@@ -39,6 +39,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from fastdeploy.entrypoints.openai.auth import APIKeyMiddleware
 from fastdeploy.router.config import RouterConfig
 from fastdeploy.router.endpoints import (
     Endpoint,
@@ -102,7 +103,10 @@ class RouterMetrics:
 
 def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
     """The router's FastAPI app. Its lifespan starts the health poller (and the HTTP client when
-    none is given) and stops them."""
+    none is given) and stops them. ``config.api_key``: its clients need one
+    (:class:`~fastdeploy.entrypoints.openai.auth.APIKeyMiddleware`; a refusal counts as outcome
+    ``unauthorized``); ``config.backend_api_key``: set as the client's ``Authorization`` header,
+    so every request to a backend carries it (a given client too)."""
     if config.is_pd:
         pools = {
             "prefill": EndpointPool("prefill", config.prefill, config.policy),
@@ -118,6 +122,8 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
         own = state["client"] is None
         if own:
             state["client"] = httpx.AsyncClient(timeout=None)
+        if config.backend_api_key is not None:
+            state["client"].headers["Authorization"] = f"Bearer {config.backend_api_key}"
         poller = asyncio.create_task(
             poll_health(
                 list(pools.values()),
@@ -136,6 +142,12 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
                 await state["client"].aclose()
 
     app = FastAPI(title="fastdeploy router", lifespan=lifespan)
+    if config.api_key:
+        app.add_middleware(
+            APIKeyMiddleware,
+            keys=config.api_key,
+            on_refused=lambda _reason: metrics.requests.labels("unauthorized").inc(),
+        )
     app.state.pools = pools
     app.state.metrics = metrics
 

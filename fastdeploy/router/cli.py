@@ -7,6 +7,8 @@ import logging
 import socket
 import sys
 
+from fastdeploy import envs
+from fastdeploy.entrypoints.openai.auth import resolve_api_keys
 from fastdeploy.router.config import POLICIES, RouterConfig
 
 
@@ -62,6 +64,24 @@ def make_router_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         help="further tries of the prefill leg after a connection error or a 503 (default: 2)",
     )
     parser.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer <KEY>' from the router's clients on every route "
+        "but /health and /metrics (as fastdeploy serve --api-key; several keys: any is "
+        "accepted); unset, FD_API_KEY, else VLLM_API_KEY (default: none, open)",
+    )
+    parser.add_argument(
+        "--backend-api-key",
+        default=None,
+        metavar="KEY",
+        help="the key the router sends to its backends ('Authorization: Bearer <KEY>', on "
+        "every request: both PD legs, /v1/models, health polls): their --api-key; unset, "
+        f"{envs.FD_BACKEND_API_KEY.name} (default: none)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -76,7 +96,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     Raises:
         ValueError: a bad URL, a missing or extra pool, or a bad number (naming it).
     """
+    backend_key = args.backend_api_key or envs.FD_BACKEND_API_KEY() or None
+    if backend_key is not None:
+        resolve_api_keys([backend_key], flag="--backend-api-key")
     return RouterConfig(
+        api_key=resolve_api_keys(args.api_key),
+        backend_api_key=backend_key,
         prefill=args.prefill,
         decode=args.decode,
         backend=args.backend,

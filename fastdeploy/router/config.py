@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from fastdeploy.config import check, check_int, is_number
+from fastdeploy.entrypoints.openai.auth import resolve_api_keys
 
 POLICIES = ("round_robin", "least_outstanding")
 
@@ -48,6 +49,12 @@ class RouterConfig:
         prefill_retries: further tries of the prefill leg after a connection error or a 503,
             each on the next healthy prefill node. The decode leg is never retried: a second
             decode node could race the first for the same prefill blocks.
+        api_key: keys the router's own clients must send (``Authorization: Bearer``) on every
+            route but ``/health`` and ``/metrics``, as ``fastdeploy serve --api-key``; empty:
+            open.
+        backend_api_key: the key the router sends to every backend, on every request it makes
+            there (both legs, ``/v1/models``, health polls); None: none. Neither key appears in
+            the repr.
     """
 
     prefill: list[str] = field(default_factory=list)
@@ -59,6 +66,8 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 300.0
     prefill_retries: int = 2
+    api_key: list[str] = field(default_factory=list, repr=False)
+    backend_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "backend"):
@@ -86,6 +95,9 @@ class RouterConfig:
             check(is_number(value) and value > 0, name, value, "a number of seconds > 0")
         check_int("health_failure_threshold", self.health_failure_threshold, minimum=1)
         check_int("prefill_retries", self.prefill_retries, minimum=0)
+        self.api_key = resolve_api_keys(self.api_key, {}, "api_key")
+        if self.backend_api_key is not None:
+            resolve_api_keys([self.backend_api_key], {}, "backend_api_key")
 
     @property
     def is_pd(self) -> bool:

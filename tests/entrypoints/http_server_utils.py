@@ -13,8 +13,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from fastdeploy.core.sampling_params import StopLimits
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.app import build_app
+from fastdeploy.entrypoints.openai.limits import HTTPLimits
 
 
 def free_port() -> int:
@@ -53,15 +55,29 @@ def serve_in_thread(
     engine,
     served_model_name: str = "fake-model",
     max_concurrency: int | None = None,
+    limits: HTTPLimits | None = None,
+    api_keys: tuple[str, ...] = (),
+    http: str = "auto",
+    stop_limits: StopLimits | None = None,
     **engine_kwargs,
 ) -> Iterator[tuple[str, AsyncLLMEngine]]:
-    """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>; yields (url, engine).
-    ``engine_kwargs`` go to :class:`AsyncLLMEngine` (``engine_stall_timeout_s``, ...)."""
+    """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>, with the request
+    ``limits`` (defaults when None) on uvicorn's ``http`` protocol (``auto``, ``httptools``,
+    ``h11``), ``api_keys`` and ``stop_limits``, as ``fastdeploy serve`` does; ``engine_kwargs``
+    go to :class:`AsyncLLMEngine` (``engine_stall_timeout_s``, ...); yields (url, engine)."""
     async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency, **engine_kwargs)
-    app = build_app(async_engine, served_model_name)
+    limits = limits or HTTPLimits()
+    app = build_app(
+        async_engine, served_model_name, limits=limits, stop_limits=stop_limits, api_keys=api_keys
+    )
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+        **limits.uvicorn_kwargs(async_engine.metrics.observe_rejected, http),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -84,13 +100,15 @@ def get_json(url: str, path: str) -> dict:
 
 
 @contextmanager
-def fake_server(model: str = "fake-model") -> Iterator[tuple[str, object, AsyncLLMEngine]]:
-    """The fake engine (``max_model_len`` 128, 2 ms steps) served on a thread; yields
-    ``(url, fake engine, async engine)``."""
+def fake_server(
+    model: str = "fake-model", **kwargs
+) -> Iterator[tuple[str, object, AsyncLLMEngine]]:
+    """The fake engine (``max_model_len`` 128, 2 ms steps) served on a thread (``kwargs``: those
+    of :func:`serve_in_thread`); yields ``(url, fake engine, async engine)``."""
     from fake_llm_engine import FakeEngine
 
     engine = FakeEngine(max_model_len=128, step_delay_s=0.002)
-    with serve_in_thread(engine, model, max_concurrency=64) as (url, async_engine):
+    with serve_in_thread(engine, model, max_concurrency=64, **kwargs) as (url, async_engine):
         yield url, engine, async_engine
 
 

@@ -30,3 +30,42 @@ def test_an_earlier_runs_metrics_files_are_removed_from_a_given_directory(tmp_pa
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     api_server._multiprocess_metrics_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_ctrl_c_taken_by_another_thread_waits_until_every_worker_has_started(monkeypatch):
+    """SIGINT is blocked on the starting thread only; when another thread of the process takes
+    it, Python raises KeyboardInterrupt on the main thread at its next instruction. While the
+    workers start, that used to be half way through writing a child's start-up data (the child
+    then died with "EOFError: Ran out of input", seen in CI). Now it waits for the end of
+    ``_start`` and is raised after."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from fastdeploy.entrypoints.openai.api_workers import APIServerWorkers
+
+    go, sent = threading.Event(), threading.Event()
+
+    def other_thread() -> None:  # started before the mask: SIGINT is not blocked here
+        go.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.set()
+
+    progress: list[str] = []
+
+    def start(self, *args) -> None:
+        progress.append("begun")
+        go.set()
+        sent.wait(10)
+        time.sleep(0.2)  # the interpreter checks for signals many times in here
+        progress.append("every worker started")
+
+    monkeypatch.setattr(APIServerWorkers, "_start", start)
+    thread = threading.Thread(target=other_thread, daemon=True)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        APIServerWorkers(None, None, [], None)
+    thread.join(5)
+    assert progress == ["begun", "every worker started"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -304,3 +304,71 @@ def test_a_list_prompt_mixing_kinds_names_the_first_odd_item(server, prompt, tex
     assert error["param"] == "prompt" and text in error["message"], error
     assert ";" not in error["message"].split("; allowed")[0]
     assert_idle(server)
+
+
+# ------------------------------------------------------------------ caps on stop conditions
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, body",
+    [("/v1/completions", {"prompt": [5, 6]}), ("/v1/chat/completions", {"messages": MSG})],
+    ids=["completions", "chat"],
+)
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        (
+            {"stop": [f"s{i}" for i in range(10_000)]},
+            "stop",
+            "stop has 10000 stop strings, more than the cap of 64 (--max-stop-strings); "
+            "allowed: at most 64 stop strings",
+        ),
+        (
+            {"stop": "x" * 5000},
+            "stop",
+            "stop has 5000 characters in all stop strings, more than the cap of 4096 "
+            "(--max-stop-chars); allowed: at most 4096 characters in all stop strings",
+        ),
+        (
+            {"stop_token_ids": list(range(300))},
+            "stop_token_ids",
+            "stop_token_ids has 300 stop_token_ids, more than the cap of 256 "
+            "(--max-stop-token-ids); allowed: at most 256 stop_token_ids",
+        ),
+    ],
+    ids=["10000_strings", "5000_chars", "300_token_ids"],
+)
+def test_stop_conditions_over_their_caps_are_a_400_naming_cap_and_value(
+    server, path, body, fields, param, message, stream
+):
+    """Issue 43: 10,000 stop strings were accepted and made every step of their request 7x
+    slower. Now the request is refused before it is tokenized, counted as ``stop_limit``."""
+    url = server[0]
+    before = metric_samples(url)
+    err = error_of(post(url, path, {**body, **fields, "max_tokens": 2, "stream": stream}))
+    assert (err["param"], err["code"], err["message"]) == (param, "invalid_value", message)
+    key = ("fastdeploy:request_rejected_total", (("reason", "stop_limit"),))
+    assert metric_samples(url)[key] - before.get(key, 0) == 1
+    assert_idle(server)
+
+
+def test_stop_conditions_at_their_caps_are_served(server):
+    body = {"prompt": [5, 6], "max_tokens": 2, "stop": [f"s{i:02d}" for i in range(64)]}
+    body["stop_token_ids"] = list(range(256))  # the fake vocabulary: 0..255
+    r = post(server[0], "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    r = post(server[0], "/v1/completions", {"prompt": [5], "max_tokens": 2, "stop": "x" * 4096})
+    assert r.status_code == 200, r.text
+
+
+def test_offline_sampling_params_cap_stop_conditions_at_the_ceilings():
+    """The offline API has no server flags: it refuses what no flag may allow."""
+    SamplingParams(stop=["s"] * 1024, stop_token_ids=[1] * 4096)
+    with pytest.raises(ValueError) as err:
+        SamplingParams(stop=["s"] * 1025)
+    assert str(err.value) == (
+        "stop has 1025 stop strings, more than the cap of 1024; allowed: at most 1024 stop strings"
+    )
+    with pytest.raises(ValueError, match="stop has 65537 characters in all stop strings"):
+        SamplingParams(stop=["x" * 65537])
+    with pytest.raises(ValueError, match="stop_token_ids has 4097 stop_token_ids"):
+        SamplingParams(stop_token_ids=[1] * 4097)

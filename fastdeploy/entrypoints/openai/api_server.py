@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
 import errno
 import json
 import logging
@@ -26,8 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastdeploy import envs
 from fastdeploy.config import FDConfig
+from fastdeploy.core.sampling_params import DEFAULT_STOP_LIMITS, MAX_STOP_LIMITS, StopLimits
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, check_stall_timeout
+from fastdeploy.entrypoints.openai.auth import mask, resolve_api_keys
+from fastdeploy.entrypoints.openai.limits import HTTPLimits
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
@@ -101,6 +105,58 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "/health answers 503 (stalled; 200 again when steps resume); 0: never "
         f"(default: {DEFAULT_ENGINE_STALL_TIMEOUT_S:g})",
     )
+    server.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer <KEY>' on every route but /health and /metrics "
+        "(vLLM's flag; several keys: any is accepted); unset, FD_API_KEY, else VLLM_API_KEY "
+        "(the environment keeps the key out of the process list) (default: none, open)",
+    )
+    limits = parser.add_argument_group(
+        "request limits", "each refusal is counted in fastdeploy:request_rejected_total"
+    )
+    limits.add_argument(
+        "--h11-max-header-count",
+        type=_positive(int),
+        default=HTTPLimits.max_header_count,
+        help="headers in one request; more: 431 (vLLM's flag; here with httptools too) "
+        f"(default: {HTTPLimits.max_header_count})",
+    )
+    limits.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=_positive(int),
+        default=HTTPLimits.max_header_bytes,
+        help="bytes of a request's line and headers; more: 431 (vLLM's flag; here with "
+        f"httptools too) (default: {HTTPLimits.max_header_bytes})",
+    )
+    limits.add_argument(
+        "--max-request-body-bytes",
+        type=_positive(int),
+        default=HTTPLimits.max_body_bytes,
+        help=f"bytes of a request body; more: 413 (default: {HTTPLimits.max_body_bytes})",
+    )
+    limits.add_argument(
+        "--request-read-timeout",
+        type=_positive(float),
+        default=HTTPLimits.read_timeout_s,
+        help="seconds a request's headers may take to arrive, and again its body; later: 408 "
+        f"and the connection is closed (default: {HTTPLimits.read_timeout_s:g})",
+    )
+    for name, default, ceiling, what in zip(
+        ("--max-stop-strings", "--max-stop-chars", "--max-stop-token-ids"),
+        DEFAULT_STOP_LIMITS,
+        MAX_STOP_LIMITS,
+        ("stop strings", "characters in all stop strings", "stop_token_ids"),
+    ):
+        limits.add_argument(
+            name,
+            type=_positive(int),
+            default=default,
+            help=f"{what} of one request, at most {ceiling}; more: 400 (default: {default})",
+        )
     server.add_argument(
         "--log-level",
         default="info",
@@ -178,6 +234,43 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(kind: type) -> Any:
+    """argparse type: a number of ``kind`` > 0."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: {what} > 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def request_limits(args: argparse.Namespace) -> tuple[HTTPLimits, StopLimits]:
+    """The request limits of the server's flags.
+
+    Raises:
+        ValueError: a limit out of range, naming its flag.
+    """
+    try:
+        http = HTTPLimits(
+            max_header_count=args.h11_max_header_count,
+            max_header_bytes=args.h11_max_incomplete_event_size,
+            max_body_bytes=args.max_request_body_bytes,
+            read_timeout_s=args.request_read_timeout,
+        )
+        stop = StopLimits(args.max_stop_strings, args.max_stop_chars, args.max_stop_token_ids)
+    except ValueError as e:
+        name, _, rest = str(e).partition("=")
+        raise ValueError(f"--{name.replace('_', '-')}={rest}") from None
+    return http, stop
+
+
 def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan) -> dict[str, Any]:
     """``{"config", "graph_plan", "server", "not_supported_yet"}`` for ``--print-config``: the
     same resolved config and plan a started server would run (no weights are read).
@@ -192,6 +285,12 @@ def resolved_config(args: argparse.Namespace, config: FDConfig, plan: GraphPlan)
         "engine_process": not args.disable_frontend_multiprocessing,
         "api_server_count": args.api_server_count,
         "engine_stall_timeout": args.engine_stall_timeout,
+        "api_key": mask(getattr(args, "api_key", None)),
+    }
+    http_limits, stop_limits = request_limits(args)
+    server["limits"] = {
+        **dataclasses.asdict(http_limits),
+        **{k: v for k, v in dataclasses.asdict(stop_limits).items() if k != "flags"},
     }
     not_supported = config.not_supported_yet()
     role = config.parallel_config.splitwise_role
@@ -260,6 +359,9 @@ def run_server(args: argparse.Namespace) -> int:
     if count > 1 and not args.print_config:
         _multiprocess_metrics_dir()  # before anything imports prometheus_client
     try:
+        # Resolved once, here: the API server processes after the first get these args.
+        args.api_key = resolve_api_keys(args.api_key) or None
+        request_limits(args)
         if not args.print_config:  # fail fast, before the model's config is even read
             from fastdeploy.engine.engine import check_device_available
 
@@ -380,11 +482,15 @@ def serve(
     async def stop_workers() -> None:
         await asyncio.to_thread(workers.stop, grace_s + 15)
 
+    http_limits, stop_limits = request_limits(args)
     app = build_app(
         engine,
         served_name(args),
         before_shutdown=stop_workers if workers is not None else None,
         api_server=(index, count),
+        limits=http_limits,
+        stop_limits=stop_limits,
+        api_keys=args.api_key or (),
     )
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown, then our lifespan stops the engine) and
     # afterwards re-raises the signal to the handler installed before it ran. This one makes
@@ -408,6 +514,7 @@ def serve(
         log_level=args.log_level,
         # A backstop only: GracefulServer ends the requests itself when the grace period is over.
         timeout_graceful_shutdown=int(grace_s) + 5,
+        **http_limits.uvicorn_kwargs(metrics.observe_rejected),
     )
     server = GracefulServer(
         config,

@@ -90,13 +90,25 @@ class APIServerWorkers:
         self._stopping = False
         # They start with SIGINT blocked (the signal mask is inherited through exec), so a
         # Ctrl-C that reaches the whole group is the first process's alone, even while they
-        # import; here it is only held back until they have started.
+        # import; here it is only held back until they have started. The mask is this thread's
+        # alone: another thread of this process can still take the signal, and Python would
+        # then raise KeyboardInterrupt here, possibly half way through writing a child's
+        # start-up data (the child then failed with "EOFError: Ran out of input"). So the
+        # Python handler is deferred too, and a Ctrl-C raises once every child has started.
+        interrupted: list[int] = []
         try:
             previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            main = threading.current_thread() is threading.main_thread()
+            if main:  # signal.signal works on the main thread only
+                handler = signal.signal(signal.SIGINT, lambda signum, _f: interrupted.append(signum))
             try:
                 self._start(ctx, args, config, frontends, sock, count)
             finally:
+                if main:
+                    signal.signal(signal.SIGINT, handler)
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a held Ctrl-C raises here
+            if interrupted:
+                signal.raise_signal(signal.SIGINT)
         except BaseException:
             self.stop(5)  # they would wait for their lifelines, and this process's exit for them
             raise

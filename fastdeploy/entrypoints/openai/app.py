@@ -12,15 +12,19 @@ JSON, wrong types, unknown fields and bad values (naming the field in ``param``)
 unknown model or route, 429 with ``Retry-After`` when ``--max-concurrency`` requests are in flight,
 503 when the engine loop is stopped. Every refusal of a request is counted in
 ``fastdeploy:request_rejected_total`` by reason (``invalid``, ``context_length``,
-``model_not_found``, ``queue_full``, ``unavailable``), in one place: the error handlers below.
+``model_not_found``, ``queue_full``, ``unavailable``, ``stop_limit``), in one place: the error
+handlers below; refusals made before the app runs are counted where they are made: the request
+limits' (:mod:`~fastdeploy.entrypoints.openai.limits`: 431, 413, 408) and a missing or wrong
+``--api-key``'s (:mod:`~fastdeploy.entrypoints.openai.auth`: 401).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,9 +36,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy.core.sampling_params import StopLimits
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
+from fastdeploy.entrypoints.openai.auth import APIKeyMiddleware, mask
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_error
+from fastdeploy.entrypoints.openai.limits import HTTPLimits, RequestLimitsMiddleware
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,12 +60,24 @@ def build_app(
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     before_shutdown: Callable[[], Awaitable[None]] | None = None,
     api_server: tuple[int, int] = (0, 1),
+    limits: HTTPLimits | None = None,
+    stop_limits: StopLimits | None = None,
+    api_keys: Sequence[str] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. Its lifespan starts the engine loop and, on shutdown,
     awaits ``before_shutdown`` (the first of several API server processes waits for the others
     there), then stops the loop (in-flight requests fail with 503) and releases the engine.
     ``api_server``: this process's index and the number of API server processes
-    (``/v1/server_info``)."""
+    (``/v1/server_info``). ``limits``: the header count, body size and body read timeout
+    (:class:`RequestLimitsMiddleware`; the header size and header read timeout are the uvicorn
+    protocol's, :meth:`HTTPLimits.uvicorn_kwargs`); defaults when None. ``stop_limits``: the
+    caps on ``stop`` and ``stop_token_ids``. ``api_keys``: when any, every route but ``/health``
+    and ``/metrics`` needs one (:class:`APIKeyMiddleware`)."""
+    limits = limits or HTTPLimits()
+    stop_limits = stop_limits or StopLimits()
+
+    def count_refusal(reason: str) -> None:
+        engine.metrics.observe_rejected(reason)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,8 +92,12 @@ def build_app(
             logger.info("engine loop stopped")
 
     app = FastAPI(title="FastDeploy OpenAI-compatible server", lifespan=lifespan)
-    chat = OpenAIServingChat(engine, served_model_name)
-    completion = OpenAIServingCompletion(engine, served_model_name)
+    # The last added runs first: the key is checked before a body is read.
+    app.add_middleware(RequestLimitsMiddleware, limits=limits, on_refused=count_refusal)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=list(api_keys), on_refused=count_refusal)
+    chat = OpenAIServingChat(engine, served_model_name, stop_limits)
+    completion = OpenAIServingCompletion(engine, served_model_name, stop_limits)
 
     def refuse(error: APIError) -> JSONResponse:
         if error.reason is not None:
@@ -125,6 +148,8 @@ def build_app(
         )
         return JSONResponse(dump(ModelList(data=[card])))
 
+    stop_limits_dict = {k: v for k, v in dataclasses.asdict(stop_limits).items() if k != "flags"}
+
     @app.get("/v1/server_info")
     async def server_info() -> JSONResponse:
         described = engine.describe()
@@ -136,6 +161,8 @@ def build_app(
                 "max_concurrency": engine.max_concurrency,
                 "api_server": {"index": api_server[0], "count": api_server[1], "pid": os.getpid()},
                 "engine_pid": engine.engine_pid,
+                "api_key": mask(api_keys),
+                "limits": {**dataclasses.asdict(limits), **stop_limits_dict},
                 "config": described.get("config"),
                 "graph_plan": described.get("graph_plan"),
                 "num_in_flight": engine.num_in_flight,

@@ -30,7 +30,8 @@ class APIError(Exception):
     """An error to answer with ``status`` and an OpenAI-style body.
 
     ``reason`` is the label it is counted under in ``fastdeploy:request_rejected_total`` when it
-    refuses a request (None for a 500, which is not a refusal).
+    refuses a request (None for a 500, which is not a refusal): the one given, else the one of
+    its status (:data:`REJECT_REASON_OF_STATUS`).
     """
 
     def __init__(
@@ -41,8 +42,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
+        self._reason = reason
         self.status = status
         self.message = message
         self.type = type_
@@ -53,6 +56,8 @@ class APIError(Exception):
     @property
     def reason(self) -> str | None:
         """The rejection reason (see :data:`REJECT_REASON_OF_STATUS`), or None."""
+        if self._reason is not None:
+            return self._reason
         if self.code == "context_length_exceeded":
             return "context_length"
         return REJECT_REASON_OF_STATUS.get(self.status)

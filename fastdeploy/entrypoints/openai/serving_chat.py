@@ -83,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = getattr(req, max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params_from(req, max_tokens, logprobs)
+        params = sampling_params_from(req, max_tokens, logprobs, stop_limits=self.stop_limits)
         prompt, prompt_ids = await self.off_loop(self.render_prompt, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.admit(

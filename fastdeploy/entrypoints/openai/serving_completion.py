@@ -91,7 +91,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
         # max_tokens=0 (echo, scoring only): one token is generated and left out of the answer.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-        params = sampling_params_from(req, max_tokens, req.logprobs, prompt_logprobs)
+        params = sampling_params_from(
+            req, max_tokens, req.logprobs, prompt_logprobs, self.stop_limits
+        )
         if has_text(req.prompt):
             prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
         else:

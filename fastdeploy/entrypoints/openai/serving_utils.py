@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
-from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
 from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
 from fastdeploy.engine.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.entrypoints.openai.errors import (
@@ -58,15 +58,19 @@ def sampling_params_from(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    stop_limits: StopLimits | None = None,
 ) -> SamplingParams:
     """Build :class:`SamplingParams` from a request's OpenAI fields.
 
     Defaults follow OpenAI: ``temperature`` and ``top_p`` of 1. ``max_tokens=None`` lets the
     request run until eos or ``max_model_len``. ``logit_bias`` keys are token ids written as
-    strings (OpenAI's form).
+    strings (OpenAI's form). ``stop_limits``: the server's caps on ``stop`` and
+    ``stop_token_ids`` (``--max-stop-strings`` and co; the defaults of :class:`StopLimits` when
+    None).
 
     Raises:
-        APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, or a value
+        APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, stop
+            conditions over a cap of ``stop_limits`` (counted as ``stop_limit``), or a value
             :class:`SamplingParams` rejects (naming it).
     """
     if req.n != 1:
@@ -88,6 +92,14 @@ def sampling_params_from(
                 "logit_bias",
             )
         logit_bias[int(key)] = value
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop_token_ids = list(req.stop_token_ids or [])
+    try:
+        (stop_limits or StopLimits()).check(stop, stop_token_ids)
+    except StopLimitError as e:
+        raise APIError(
+            400, str(e), param=e.field, code="invalid_value", reason="stop_limit"
+        ) from None
     try:
         return SamplingParams(
             n=1,
@@ -97,8 +109,8 @@ def sampling_params_from(
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
+            stop=stop,
+            stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -135,10 +147,14 @@ async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any 
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers: the engine, the served model name, admission."""
+    """Base of the endpoint handlers: the engine, the served model name, the caps on stop
+    conditions (``stop_limits``), admission."""
 
-    def __init__(self, engine: Any, served_model_name: str) -> None:
+    def __init__(
+        self, engine: Any, served_model_name: str, stop_limits: StopLimits | None = None
+    ) -> None:
         self.engine = engine
+        self.stop_limits = stop_limits or StopLimits()
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
