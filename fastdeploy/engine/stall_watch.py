@@ -12,12 +12,14 @@ is healthy. The clock starts when work arrives at an idle engine, not at its las
 request for an engine that is already busy does not restart it.
 
 The default, :data:`DEFAULT_ENGINE_STALL_TIMEOUT_S` (60 s, the default of vLLM's
-``VLLM_ENGINE_ITERATION_TIMEOUT_S``), is far above the slowest legitimate step: model loading,
-KV cache sizing, CUDA graph capture and the first flashinfer JIT all happen before the server
-reports ready, and a step is bounded by ``--max-num-batched-tokens`` (2048 by default: a chunk of
-that many prompt tokens takes well under 1 s for the default model on a 2-core CPU; a chunk of
-8192 tokens a few seconds). SGLang's ``--watchdog-timeout`` (300 s) ends the server instead; this
-one only reports, and clears itself when steps resume.
+``VLLM_ENGINE_ITERATION_TIMEOUT_S``), is far above the slowest step of the default settings:
+model loading, KV cache sizing, CUDA graph capture and the first flashinfer JIT all happen before
+the server reports ready, and a step is bounded by ``--max-num-batched-tokens`` (2048 by default;
+a chunk of 2047 prompt tokens of the default model took 4.3 s on 2 idle CPU cores). A larger
+chunk on a CPU needs a larger threshold: 8,189 tokens in one step took 45 s on those 2 idle cores
+and 191 s while other processes loaded them (attention grows with the square of the chunk). On a
+GPU steps take milliseconds. SGLang's ``--watchdog-timeout`` (300 s) ends the server instead;
+this check only reports, and clears itself when steps resume.
 """
 
 from __future__ import annotations

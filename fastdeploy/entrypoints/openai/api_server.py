@@ -102,7 +102,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         type=float,
         default=DEFAULT_ENGINE_STALL_TIMEOUT_S,
         help="seconds the engine may go without finishing a step while it has work before "
-        "/health answers 503 (stalled; 200 again when steps resume); 0: never "
+        "/health answers 503 (stalled; 200 again when steps resume); 0: never. Raise it for "
+        "long CPU steps: 8,192 prompt tokens in one step can take minutes there "
         f"(default: {DEFAULT_ENGINE_STALL_TIMEOUT_S:g})",
     )
     server.add_argument(
