@@ -165,3 +165,22 @@ def test_sigstopped_engine_process_is_reported_then_recovers(count, tmp_path):
             assert metric_samples(srv.url)[STALLED] == 0
         assert "cut off" not in srv.log(10**9)
         assert "engine has not finished a step" in srv.log(10**9)  # logged at the start
+
+
+def test_a_bad_threshold_exits_2_naming_the_flag():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server"]
+    out = subprocess.run(
+        [*cmd, "--engine-stall-timeout", "-5"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--engine-stall-timeout=-5.0 is invalid; allowed: seconds > 0, or 0" in out.stderr
+    printed = subprocess.run(
+        [*cmd, "--print-config", "--engine-stall-timeout", "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(printed.stdout)["server"]["engine_stall_timeout"] == 7
