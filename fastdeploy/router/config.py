@@ -48,6 +48,8 @@ class RouterConfig:
         prefill_retries: further tries of the prefill leg after a connection error or a 503,
             each on the next healthy prefill node. The decode leg is never retried: a second
             decode node could race the first for the same prefill blocks.
+        pd_secret_file: the PD nodes' shared secret (``--pd-secret-file``; None:
+            ``FD_PD_SECRET``), which signs the ABORTs the router sends to prefill nodes.
     """
 
     prefill: list[str] = field(default_factory=list)
@@ -59,6 +61,7 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 300.0
     prefill_retries: int = 2
+    pd_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "backend"):
