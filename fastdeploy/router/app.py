@@ -46,7 +46,7 @@ from fastdeploy.router.endpoints import (
     NoHealthyBackendError,
     poll_health,
 )
-from fastdeploy.splitwise.pd_auth import PDAuth
+from fastdeploy.splitwise.pd_auth import PDAuth, set_process_auth
 from fastdeploy.splitwise.side_channel import SideChannelError, send_control
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
         ValueError: the PD secret cannot be read or is too short.
     """
     auth = PDAuth.from_secret_file(config.pd_secret_file) if config.is_pd else None
+    set_process_auth(auth)  # any send_control in this process signs, passed auth= or not
     if config.is_pd and auth is None:
         logger.warning(
             "no --pd-secret-file or FD_PD_SECRET: the ABORTs this router sends are unsigned "

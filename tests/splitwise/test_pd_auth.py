@@ -296,3 +296,21 @@ def test_a_decode_node_with_a_secret_takes_only_signed_unaltered_references():
     both = PrefillTrust(allowed=(("10.0.0.8", 5601),), key=KEY)
     with pytest.raises(ValueError, match="10.0.0.7:5601 is not allowed"):
         check_leg(both, signed)  # signed, but not on the list
+
+
+def test_pd_flags_are_checked_once_with_clear_errors():
+    from fastdeploy.config.splitwise import SplitwiseConfig
+    from fastdeploy.engine.args_utils import _split_peers
+
+    assert _split_peers("10.0.0.5:5601, [::1]:5602") == ["10.0.0.5:5601", "[::1]:5602"]
+    config = SplitwiseConfig(pd_allowed_prefill=["10.0.0.5:5601", "[::1]:5602"])
+    assert config.allowed_prefill_peers == (("10.0.0.5", 5601), ("::1", 5602))
+    for bad in (["10.0.0.5"], ["host:0"], ["host:http"]):
+        with pytest.raises(ValueError, match=f"entry '{bad[0]}' is invalid; allowed: host:port"):
+            SplitwiseConfig(pd_allowed_prefill=bad)
+    with pytest.raises(ValueError, match="pd_allowed_prefill=\\[\\] is invalid"):
+        SplitwiseConfig(pd_allowed_prefill=[])
+    with pytest.raises(ValueError, match="pd_max_hold_s=10 is invalid; allowed: seconds >= "):
+        SplitwiseConfig(pd_lease_s=30, pd_max_hold_s=10)
+    with pytest.raises(ValueError, match="pd_max_connections=0 is invalid"):
+        SplitwiseConfig(pd_max_connections=0)

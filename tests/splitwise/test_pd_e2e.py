@@ -160,6 +160,8 @@ def test_bad_kv_transfer_params_are_400(pd_cluster):
     )
     assert r.status_code == 400, r.text
     assert "remote_host='169.254.169.254' is not allowed" in r.json()["error"]["message"]
+    for node in (prefill, decode):  # no PD secret here: each said so at start
+        assert "PD is unauthenticated" in node.log_tail(1_000_000)
     r = httpx.post(  # the real params: the decode leg runs and releases the blocks
         decode.url + "/v1/completions",
         json=completion_body(10, False) | {"kv_transfer_params": params},
