@@ -19,6 +19,7 @@ never goes on a command line, where every user of the host can read it in ``ps``
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import ipaddress
 import json
@@ -115,7 +116,9 @@ class PDAuth:
     window_s: float = WINDOW_S
     clock: Callable[[], float] = time.time
     rejected: dict[str, int] = field(default_factory=dict)
-    _nonces: dict[str, float] = field(default_factory=dict, repr=False)
+    _nonces: set[str] = field(default_factory=set, repr=False)
+    #: ``(forget_at, nonce)`` min-heap: each nonce is dropped once its message would be stale.
+    _expiry: list[tuple[float, str]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -180,7 +183,8 @@ class PDAuth:
             if nonce in self._nonces:
                 self._count("replayed")
                 raise AuthError("replayed", f"nonce {nonce} was already used")
-            self._nonces[nonce] = ts / 1000 + self.window_s
+            self._nonces.add(nonce)
+            heapq.heappush(self._expiry, (ts / 1000 + self.window_s, nonce))
 
     def sign_reference(self, params: dict[str, Any]) -> dict[str, Any]:
         """A copy of a KV reference (``kv_transfer_params``) with its MAC in :data:`AUTH_FIELD`."""
@@ -209,10 +213,9 @@ class PDAuth:
             )
 
     def _forget(self, now: float) -> None:
-        if self._nonces:
-            old = [n for n, until in self._nonces.items() if until < now]
-            for n in old:
-                del self._nonces[n]
+        """Drop the nonces of messages that are stale by now (O(log n) each)."""
+        while self._expiry and self._expiry[0][0] < now:
+            self._nonces.discard(heapq.heappop(self._expiry)[1])
 
     def _count(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

@@ -314,3 +314,14 @@ def test_pd_flags_are_checked_once_with_clear_errors():
         SplitwiseConfig(pd_lease_s=30, pd_max_hold_s=10)
     with pytest.raises(ValueError, match="pd_max_connections=0 is invalid"):
         SplitwiseConfig(pd_max_connections=0)
+
+
+def test_the_nonce_store_forgets_what_is_stale_anyway():
+    clock = ManualClock(1000.0)
+    auth = PDAuth(KEY, window_s=30, clock=clock)
+    for _ in range(100):
+        auth.verify("side-channel", auth.sign("side-channel", {"op": "DONE"}))
+    assert len(auth._nonces) == 100
+    clock.now += 31  # all 100 would be refused as stale now: no need to remember them
+    auth.verify("side-channel", auth.sign("side-channel", {"op": "DONE"}))
+    assert len(auth._nonces) == 1 and len(auth._expiry) == 1
