@@ -246,6 +246,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             getattr(self, "kv_layout", None),
             self.config.cache_config.block_size,
             self.config.parallel_config.tensor_parallel_size,
+            getattr(getattr(self, "pd", None), "trust", None),
         )
 
     def add_request(

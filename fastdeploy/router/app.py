@@ -47,6 +47,7 @@ from fastdeploy.router.endpoints import (
     NoHealthyBackendError,
     poll_health,
 )
+from fastdeploy.splitwise.pd_auth import PDAuth, set_process_auth
 from fastdeploy.splitwise.side_channel import SideChannelError, send_control
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,18 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
     none is given) and stops them. ``config.api_key``: its clients need one
     (:class:`~fastdeploy.entrypoints.openai.auth.APIKeyMiddleware`; a refusal counts as outcome
     ``unauthorized``); ``config.backend_api_key``: set as the client's ``Authorization`` header,
-    so every request to a backend carries it (a given client too)."""
+    so every request to a backend carries it (a given client too).
+
+    Raises:
+        ValueError: the PD secret cannot be read or is too short.
+    """
+    auth = PDAuth.from_secret_file(config.pd_secret_file) if config.is_pd else None
+    set_process_auth(auth)  # any send_control in this process signs, passed auth= or not
+    if config.is_pd and auth is None:
+        logger.warning(
+            "no --pd-secret-file or FD_PD_SECRET: the ABORTs this router sends are unsigned "
+            "(prefill nodes that have a secret refuse them and free the blocks at lease expiry)"
+        )
     if config.is_pd:
         pools = {
             "prefill": EndpointPool("prefill", config.prefill, config.policy),
@@ -186,7 +198,7 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
             return error_response(400, "the body is not valid JSON", request_id)
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object", request_id)
-        router = _Legs(config, pools, state["client"], metrics, request_id)
+        router = _Legs(config, pools, state["client"], metrics, request_id, auth)
         try:
             if config.is_pd:
                 response = await router.pd(path, body)
@@ -219,9 +231,10 @@ class _Legs:
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         request_id: str,
+        auth: PDAuth | None = None,
     ) -> None:
         self.config, self.pools, self.client = config, pools, client
-        self.metrics, self.request_id = metrics, request_id
+        self.metrics, self.request_id, self.auth = metrics, request_id, auth
 
     def _timeout(self, seconds: float) -> httpx.Timeout:
         return httpx.Timeout(seconds, connect=CONNECT_TIMEOUT_S)
@@ -378,7 +391,9 @@ class _Legs:
             self.metrics.aborts.labels("no_address").inc()
             return
         try:
-            await asyncio.to_thread(send_control, host, int(port), "ABORT", [str(request_id)])
+            await asyncio.to_thread(
+                send_control, host, int(port), "ABORT", [str(request_id)], auth=self.auth
+            )
             self.metrics.aborts.labels("sent").inc()
         except (SideChannelError, ValueError) as e:
             self.metrics.aborts.labels("failed").inc()

@@ -20,12 +20,15 @@ class PendingSend:
         block_ids: the request's block table (the blocks it holds a reference on).
         expires_at: when the entry is freed if nothing else happened.
         claimed: a decode node claimed it and may be reading now.
+        held_since: when it was added (heartbeats never extend it past ``held_since +
+            max_hold_s``).
     """
 
     request_id: str
     block_ids: list[int]
     expires_at: float
     claimed: bool = False
+    held_since: float = 0.0
 
 
 class PendingSends:
@@ -34,17 +37,24 @@ class PendingSends:
     Args:
         lease_s: how long an unclaimed entry lives, and how long a heartbeat extends it.
         transfer_s: how long a claimed entry lives (the transfer deadline).
+        max_hold_s: how far past its :meth:`add` heartbeats may extend an entry (None: without
+            bound); a forged or runaway heartbeat cannot hold blocks longer.
 
     Raises:
-        ValueError: a lease or transfer time that is not > 0.
+        ValueError: a lease, transfer or hold time that is not > 0.
     """
 
-    def __init__(self, lease_s: float, transfer_s: float) -> None:
-        for name, value in (("pd_lease_s", lease_s), ("transfer_s", transfer_s)):
+    def __init__(self, lease_s: float, transfer_s: float, max_hold_s: float | None = None) -> None:
+        for name, value in (
+            ("pd_lease_s", lease_s),
+            ("transfer_s", transfer_s),
+            ("pd_max_hold_s", 1.0 if max_hold_s is None else max_hold_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0")
         self.lease_s = lease_s
         self.transfer_s = transfer_s
+        self.max_hold_s = max_hold_s
         self._entries: dict[str, PendingSend] = {}
 
     def add(self, request_id: str, block_ids: list[int], now: float) -> PendingSend:
@@ -55,7 +65,7 @@ class PendingSends:
         """
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} is already pending a send")
-        entry = PendingSend(request_id, list(block_ids), now + self.lease_s)
+        entry = PendingSend(request_id, list(block_ids), now + self.lease_s, held_since=now)
         self._entries[request_id] = entry
         return entry
 
@@ -75,7 +85,8 @@ class PendingSends:
         return entry.block_ids
 
     def heartbeat(self, request_ids: list[str], now: float) -> list[str]:
-        """Extend the leases of the entries still there; returns the ids that are gone."""
+        """Extend the leases of the entries still there, never past ``held_since +
+        max_hold_s``; returns the ids that are gone."""
         gone = []
         for rid in request_ids:
             entry = self._entries.get(rid)
@@ -83,7 +94,10 @@ class PendingSends:
                 gone.append(rid)
                 continue
             span = self.transfer_s if entry.claimed else self.lease_s
-            entry.expires_at = max(entry.expires_at, now + span)
+            until = now + span
+            if self.max_hold_s is not None:
+                until = min(until, entry.held_since + self.max_hold_s)
+            entry.expires_at = max(entry.expires_at, until)
         return gone
 
     def release(self, request_id: str) -> list[int] | None:

@@ -24,12 +24,17 @@ class PrefillControl:
         lease_s: ``--pd-lease-s``: how long blocks wait for an unclaimed transfer.
         transfer_s: how long a claimed transfer may take.
         clock: ``time.monotonic`` (tests pass their own).
+        max_hold_s: ``--pd-max-hold-s``: heartbeats never hold an entry longer (None: no bound).
     """
 
     def __init__(
-        self, lease_s: float, transfer_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        lease_s: float,
+        transfer_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_hold_s: float | None = None,
     ) -> None:
-        self._table = PendingSends(lease_s, transfer_s)
+        self._table = PendingSends(lease_s, transfer_s, max_hold_s)
         self._lock = threading.Lock()
         self._freed: list[tuple[str, list[int], str]] = []
         self._clock = clock

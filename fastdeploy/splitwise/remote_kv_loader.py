@@ -6,7 +6,9 @@ The engine thread submits a :class:`PullJob` once the request holds its local bl
 1. CLAIMs the prefill node's blocks over the side channel (a GONE answer fails the job: the blocks
    may already be freed and reused, so they must not be read);
 2. pulls only the blocks this node's prefix cache lacks (``skip_blocks`` at the front) through the
-   transport;
+   transport, from where the CLAIM answer says the blocks are (a prefill node names its own
+   transport; the ``transport`` of ``kv_transfer_params`` is only the fallback of a peer that
+   does not);
 3. sends DONE (the prefill node frees its blocks), or ABORT when the pull failed.
 
 A cancelled job (the client went away) reports only once its pull can write no more, so the engine
@@ -66,11 +68,13 @@ class RemoteKVLoader:
     Args:
         transport: a registered KV transport (``tcp`` or ``nixl``).
         control_timeout_s: limit of one side channel message.
+        auth: signs the side channel messages (None: the process's PD secret, if any).
     """
 
-    def __init__(self, transport, control_timeout_s: float = 5.0) -> None:
+    def __init__(self, transport, control_timeout_s: float = 5.0, auth=None) -> None:
         self.transport = transport
         self.control_timeout_s = control_timeout_s
+        self.auth = auth
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._transfers: dict[str, Transfer] = {}
@@ -117,8 +121,9 @@ class RemoteKVLoader:
 
     def _control(self, op: str, job: PullJob) -> dict:
         r = job.remote
+        extra = {} if self.auth is None else {"auth": self.auth}
         return send_control(
-            r.remote_host, r.remote_port, op, [r.remote_request_id], self.control_timeout_s
+            r.remote_host, r.remote_port, op, [r.remote_request_id], self.control_timeout_s, **extra
         )
 
     def _abort_quietly(self, job: PullJob) -> None:
@@ -174,7 +179,7 @@ class RemoteKVLoader:
                 else:
                     transfer = self.transport.start_pull(
                         job.request_id,
-                        remote.transport,
+                        reply.get("transport") or remote.transport,
                         claimed[skip:],
                         job.local_block_ids[skip:],
                         job.timeout_s,

@@ -10,7 +10,9 @@ thread (``docs/pd-disaggregation.md``, shared docs).
   leases do not run out.
 
 The transport (``tcp`` or ``nixl``) is registered once with the KV caches; the engine never sees
-its types.
+its types. With a PD secret (``--pd-secret-file`` or ``FD_PD_SECRET``) both roles sign what they
+send and refuse what is not signed (:mod:`~fastdeploy.splitwise.pd_auth`); without one they warn
+at start.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastdeploy.config import FDConfig
+from fastdeploy.splitwise.pd_auth import PDAuth, PrefillTrust, is_loopback, set_process_auth
 from fastdeploy.splitwise.prefill_control import PrefillControl
 from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg
 from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
@@ -139,9 +142,26 @@ class _Role:
         self.config = sw
         self.layout = layout
         self.engine_id = f"{config.parallel_config.splitwise_role}-{uuid.uuid4().hex[:12]}"
-        self.transport = make_transport(sw.cache_transfer_protocol, sw.pd_host, self.engine_id)
+        self.auth = PDAuth.from_secret_file(sw.pd_secret_file)
+        set_process_auth(self.auth)  # every send_control of this process signs with it
+        if self.auth is None:
+            logger.warning(
+                "PD is unauthenticated: no --pd-secret-file or FD_PD_SECRET, so anyone who can "
+                "reach %s can send control messages and read claimed KV blocks%s",
+                sw.pd_host,
+                "" if is_loopback(sw.pd_host) else " (--pd-host is not a loopback address)",
+            )
+        self.transport = make_transport(
+            sw.cache_transfer_protocol,
+            sw.pd_host,
+            self.engine_id,
+            auth=self.auth,
+            max_connections=sw.pd_max_connections,
+        )
         self.transport.register(kv_caches)
-        self.side_channel = SideChannelServer(sw.pd_host, sw.pd_comm_port or 0, handler).start()
+        self.side_channel = SideChannelServer(
+            sw.pd_host, sw.pd_comm_port or 0, handler, self.auth, sw.pd_max_connections
+        ).start()
         logger.info(
             "PD %s node %s: side channel on %s:%d, KV transport %s",
             config.parallel_config.splitwise_role,
@@ -150,6 +170,16 @@ class _Role:
             self.side_channel.port,
             self.transport.name,
         )
+
+    def security_stats(self) -> dict[str, Any]:
+        """Refused PD messages by reason, and connections refused over the cap, by listener."""
+        return {
+            "auth_rejected": dict(self.auth.rejected) if self.auth is not None else {},
+            "connections_refused": {
+                "side_channel": self.side_channel.refused_connections,
+                "kv": getattr(self.transport, "refused_connections", 0),
+            },
+        }
 
     def close(self) -> None:
         """Stop the side channel and the transport."""
@@ -168,11 +198,22 @@ class PrefillRole(_Role):
 
     def __init__(self, config: FDConfig, kv_caches: list, layout: dict[str, Any]) -> None:
         sw = config.splitwise_config
-        self.control = PrefillControl(sw.pd_lease_s, sw.pd_transfer_timeout)
-        super().__init__(config, kv_caches, layout, self.control.handle)
+        self.control = PrefillControl(
+            sw.pd_lease_s, sw.pd_transfer_timeout, max_hold_s=sw.pd_max_hold_s
+        )
+        self._transport_meta: dict[str, Any] | None = None
+        super().__init__(config, kv_caches, layout, self._handle)
         if hasattr(self.transport, "authorize"):  # tcp: serve only claimed blocks
             self.transport.authorize = self.control.readable
         self._transport_meta = self.transport.local_metadata()
+
+    def _handle(self, op: str, message: dict) -> dict:
+        reply = self.control.handle(op, message)
+        if op == "CLAIM":
+            # Where to read, from this node itself: a decode node reads from the address this
+            # node answers with, never from one a client wrote into kv_transfer_params.
+            reply["transport"] = self._transport_meta
+        return reply
 
     def hold(
         self,
@@ -197,8 +238,10 @@ class PrefillRole(_Role):
             transport=self._transport_meta,
             layout=self.layout,
             first_token_logprobs=first_token_logprobs,
-        )
-        return params.to_dict()
+        ).to_dict()
+        # Signed last, over every field: a decode node sharing the secret refuses a reference
+        # that was forged or altered on the way (redirected address, other blocks).
+        return self.auth.sign_reference(params) if self.auth is not None else params
 
     def take_freed(self) -> list[tuple[str, list[int], str]]:
         """``(request_id, block_ids, reason)`` of every entry released since the last call
@@ -219,6 +262,7 @@ class PrefillRole(_Role):
             "pending_sends": self.control.num_pending,
             "pending_send_blocks": self.control.num_pending_blocks,
             **{f"{k}_total": v for k, v in self.control.counts.items()},
+            **self.security_stats(),
         }
 
 
@@ -237,7 +281,11 @@ class DecodeRole(_Role):
     ) -> None:
         super().__init__(config, kv_caches, layout, self._handle)
         self.block_size = block_size
-        self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0)
+        #: Which prefill nodes decode legs may name (checked at admission).
+        self.trust = PrefillTrust(
+            self.config.allowed_prefill_peers, self.auth.key if self.auth is not None else None
+        )
+        self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0, auth=self.auth)
         self.failure_policy = self.config.kv_load_failure_policy
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0}
         self.failures: dict[str, int] = {}
@@ -274,7 +322,11 @@ class DecodeRole(_Role):
         def send() -> None:
             try:
                 send_control(
-                    remote.remote_host, remote.remote_port, "ABORT", [remote.remote_request_id]
+                    remote.remote_host,
+                    remote.remote_port,
+                    "ABORT",
+                    [remote.remote_request_id],
+                    auth=self.auth,
                 )
             except SideChannelError as e:  # it frees them at lease expiry anyway
                 logger.warning("ABORT of %s failed: %s", remote.remote_request_id, e)
@@ -320,7 +372,7 @@ class DecodeRole(_Role):
                 by_peer.setdefault((r.remote_host, r.remote_port), []).append(r.remote_request_id)
             for (host, port), ids in by_peer.items():
                 try:
-                    send_control(host, port, "HEARTBEAT", ids, timeout_s=2.0)
+                    send_control(host, port, "HEARTBEAT", ids, timeout_s=2.0, auth=self.auth)
                 except SideChannelError as e:
                     logger.warning("heartbeat to the prefill node %s:%d failed: %s", host, port, e)
 
@@ -329,6 +381,7 @@ class DecodeRole(_Role):
             "transfers_in_flight": self.loader.in_flight,
             **self.counts,
             "failures": dict(self.failures),
+            **self.security_stats(),
         }
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ after failures and aborts too."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -238,7 +239,8 @@ def test_min_tokens_on_either_leg_gives_mixed_output(mixed, prefill, decode):
 def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
     """A client-edited decode leg never kills the engine nor reads other blocks: a token id
     outside the vocabulary or malformed logprobs are refused; block ids other than those the
-    prefill node holds, or transport metadata of another kind, fail the pull (nothing cached)."""
+    prefill node holds fail the pull (nothing cached); transport metadata pointing elsewhere is
+    ignored: the decode node reads from where the prefill node's CLAIM answer says."""
     prompt = prompts(1, 40, 41, seed=8)[0]
     p_outs = run(prefill, "p-forge", prompt, GREEDY, {"do_remote_decode": True})
     kv = p_outs[-1].kv_transfer_params
@@ -250,10 +252,22 @@ def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
     forged = kv | {"remote_block_ids": [b + 1 for b in kv["remote_block_ids"]]}
     outs = run(decode, "d-forged", prompt, GREEDY, forged)
     assert isinstance(outs[-1].error, KVTransferError) and "other blocks" in str(outs[-1].error)
-    p2 = run(prefill, "p-forge2", prompt, GREEDY, {"do_remote_decode": True})
-    kv2 = p2[-1].kv_transfer_params | {"transport": {"transport": "nixl"}}
-    outs = run(decode, "d-transport", prompt, GREEDY, kv2)
-    assert isinstance(outs[-1].error, KVTransferError) and "transfer" in str(outs[-1].error)
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.settimeout(0.5)
+    redirects = ({"transport": "nixl"}, {"transport": "tcp", "host": "127.0.0.1", "port": 0})
+    try:
+        redirects[1]["port"] = trap.getsockname()[1]
+        for i, (meta, fresh) in enumerate(zip(redirects, prompts(2, 40, 41, seed=9))):
+            p2 = run(prefill, f"p-redirect{i}", fresh, GREEDY, {"do_remote_decode": True})
+            before = decode.pd.counts["transfer_bytes"]
+            kv2 = p2[-1].kv_transfer_params | {"transport": meta}
+            outs = run(decode, f"d-redirect{i}", fresh, GREEDY, kv2)
+            assert outs[-1].error is None
+            assert decode.pd.counts["transfer_bytes"] > before  # pulled, from the prefill node
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody connected to the address the client wrote in
+    finally:
+        trap.close()
     settle(prefill)
     settle(decode)
     assert_all_free(prefill)  # the failed pulls sent ABORT: nothing waits for the lease
