@@ -162,6 +162,16 @@ class AsyncLLMEngine:
         """True while the engine loop is alive and has not failed."""
         return self._started and self._core.is_alive() and self._dead is None
 
+    @property
+    def splitwise_role(self) -> str:
+        """The engine's PD role: ``mixed``, ``prefill`` or ``decode`` (``mixed`` for an engine
+        that does not say)."""
+        admission = getattr(self._core, "admission", None)  # the engine in its own process
+        if admission is not None:
+            return admission.splitwise_role
+        config = getattr(getattr(self._core, "engine", None), "config", None)  # ThreadCore
+        return config.parallel_config.splitwise_role if config is not None else "mixed"
+
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
         return self._core.describe()

@@ -20,12 +20,14 @@ class PendingSend:
         block_ids: the request's block table (the blocks it holds a reference on).
         expires_at: when the entry is freed if nothing else happened.
         claimed: a decode node claimed it and may be reading now.
+        prompt_hash: the fingerprint of the prompt whose KV the blocks hold (CLAIM answers it).
     """
 
     request_id: str
     block_ids: list[int]
     expires_at: float
     claimed: bool = False
+    prompt_hash: str | None = None
 
 
 class PendingSends:
@@ -47,15 +49,18 @@ class PendingSends:
         self.transfer_s = transfer_s
         self._entries: dict[str, PendingSend] = {}
 
-    def add(self, request_id: str, block_ids: list[int], now: float) -> PendingSend:
-        """Hold ``block_ids`` for ``request_id`` until DONE, ABORT or ``now + lease_s``.
+    def add(
+        self, request_id: str, block_ids: list[int], now: float, prompt_hash: str | None = None
+    ) -> PendingSend:
+        """Hold ``block_ids`` (the KV of the prompt fingerprinted ``prompt_hash``) for
+        ``request_id`` until DONE, ABORT or ``now + lease_s``.
 
         Raises:
             ValueError: the request is already pending.
         """
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} is already pending a send")
-        entry = PendingSend(request_id, list(block_ids), now + self.lease_s)
+        entry = PendingSend(request_id, list(block_ids), now + self.lease_s, False, prompt_hash)
         self._entries[request_id] = entry
         return entry
 
@@ -74,6 +79,11 @@ class PendingSends:
         entry.expires_at = now + self.transfer_s
         return entry.block_ids
 
+    def prompt_hash(self, request_id: str) -> str | None:
+        """The prompt fingerprint an entry was held with (None when unknown or gone)."""
+        entry = self._entries.get(request_id)
+        return entry.prompt_hash if entry is not None else None
+
     def heartbeat(self, request_ids: list[str], now: float) -> list[str]:
         """Extend the leases of the entries still there; returns the ids that are gone."""
         gone = []
@@ -86,10 +96,15 @@ class PendingSends:
             entry.expires_at = max(entry.expires_at, now + span)
         return gone
 
-    def release(self, request_id: str) -> list[int] | None:
-        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone."""
-        entry = self._entries.pop(request_id, None)
-        return entry.block_ids if entry is not None else None
+    def release(self, request_id: str, unclaimed_only: bool = False) -> list[int] | None:
+        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone.
+        With ``unclaimed_only`` a claimed entry stays (a decode node may be reading it; it
+        releases the entry itself)."""
+        entry = self._entries.get(request_id)
+        if entry is None or (unclaimed_only and entry.claimed):
+            return None
+        del self._entries[request_id]
+        return entry.block_ids
 
     def sweep(self, now: float) -> list[PendingSend]:
         """Drop and return the expired entries (their blocks are to be freed)."""

@@ -12,6 +12,8 @@ unknown model or route, 429 with ``Retry-After`` when ``--max-concurrency`` requ
 503 when the engine loop is stopped. Every refusal of a request is counted in
 ``fastdeploy:request_rejected_total`` by reason (``invalid``, ``context_length``,
 ``model_not_found``, ``queue_full``, ``unavailable``), in one place: the error handlers below.
+On a PD decode node a refused decode leg also releases the prefill node's blocks there
+(:func:`~fastdeploy.splitwise.roles.release_refused_leg`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.splitwise.roles import release_refused_leg
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -75,10 +78,22 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_name)
     completion = OpenAIServingCompletion(engine, served_model_name)
 
-    def refuse(error: APIError) -> JSONResponse:
+    def refuse(error: APIError, body: Any = None) -> JSONResponse:
         if error.reason is not None:
             engine.metrics.observe_rejected(error.reason)
+            if isinstance(body, dict) and engine.splitwise_role == "decode":
+                # A refused decode leg: nobody will pull the prefill node's blocks for it.
+                release_refused_leg(body.get("kv_transfer_params"))
         return error.response()
+
+    async def refusing(create: Callable[[], Awaitable[Response]], req: Any) -> Response:
+        """Run a request's handler; a refusal it raises (a 4xx or 503 before the engine took
+        the request, or the engine's own error for it: ABORT is idempotent) is answered here,
+        with the request's ``kv_transfer_params`` at hand."""
+        try:
+            return await create()
+        except APIError as e:
+            return refuse(e, {"kv_transfer_params": getattr(req, "kv_transfer_params", None)})
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -96,7 +111,7 @@ def build_app(
                     f"a JSON object body)"
                 )
             )
-        return refuse(validation_error(list(exc.errors())))
+        return refuse(validation_error(list(exc.errors())), exc.body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
@@ -144,11 +159,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await chat.create(req, raw_request)
+        return await refusing(lambda: chat.create(req, raw_request), req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await completion.create(req, raw_request)
+        return await refusing(lambda: completion.create(req, raw_request), req)
 
     return app
 
