@@ -215,7 +215,7 @@ class EngineArgs:
         metadata=_cli("seconds a decode-leg request waits for KV blocks before a 503", float),
     )
     pd_transfer_timeout: float = field(
-        default=30.0, metadata=_cli("seconds one claimed KV transfer may take", float)
+        default=30.0, metadata=_cli("deadline in seconds of one KV pull (CLAIM, read, DONE)", float)
     )
     device: str = field(default="auto", metadata=_cli("device to run on", str, DEVICES))
     attention_backend: str | None = field(
