@@ -172,6 +172,10 @@ class RemoteKVLoader:
         try:
             reply = self._control("CLAIM", job, min(self.control_timeout_s, left))
         except SideChannelError as e:
+            if isinstance(e.__cause__, TimeoutError):
+                # A stalled peer may still serve this CLAIM once it resumes: queue an ABORT
+                # behind it, so that it frees the blocks then rather than at its own deadline.
+                self._tell_quietly("ABORT", job, deadline)
             return f"claim: {e}", 0
         remote = job.remote
         skip = job.skip_blocks
