@@ -43,7 +43,9 @@ class SplitwiseConfig:
             the request locally, eagerly) when a KV transfer fails.
         pd_decode_wait_timeout: seconds a decode-leg request may wait for free blocks before it
             gets a 503.
-        pd_transfer_timeout: seconds one claimed transfer may take.
+        pd_transfer_timeout: the deadline of one pull on a decode node, in seconds (CLAIM, read
+            and DONE together; a stalled peer's failure is reported at it), and how long a
+            prefill node keeps a claimed entry.
         pd_secret_file: a file holding the secret every PD peer shares (the prefill node, the
             decode node, ``fastdeploy router``); None: ``FD_PD_SECRET``, else unauthenticated.
             Only the path is kept here (the config is printed by ``/v1/server_info``).

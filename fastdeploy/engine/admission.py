@@ -57,8 +57,9 @@ class Admission:
             ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
                 ``logit_bias`` id outside it, stop strings without a tokenizer, or
                 ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
-                prompt length that differs from the prefill node's, a prefill node this node
-                does not trust or an unsigned reference: ``PrefillTrust.check``), or
+                prompt length or fingerprint that differs from the prefill node's, a
+                prefill node this node does not trust or an unsigned reference:
+                ``PrefillTrust.check``), or
                 ``prompt_logprobs`` where they cannot be computed (:meth:`_check_prompt_logprobs`).
             PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
                 output token; the message names both lengths, and the KV pool when that is what
@@ -79,7 +80,7 @@ class Admission:
 
             # Before anything connects anywhere: is the prefill node one this node trusts?
             (self.pd_trust or PrefillTrust()).check(kv_transfer_params)
-            check_decode_leg(leg, len(prompt_token_ids), self.vocab_size, self.block_size)
+            check_decode_leg(leg, prompt_token_ids, self.vocab_size, self.block_size)
         return leg
 
     def _check_prompt_logprobs(self, value: int, kv_transfer_params: dict | None) -> None:

@@ -222,7 +222,7 @@ class EngineArgs:
         metadata=_cli("seconds a decode-leg request waits for KV blocks before a 503", float),
     )
     pd_transfer_timeout: float = field(
-        default=30.0, metadata=_cli("seconds one claimed KV transfer may take", float)
+        default=30.0, metadata=_cli("deadline in seconds of one KV pull (CLAIM, read, DONE)", float)
     )
     pd_secret_file: str | None = field(
         default=None,

@@ -22,6 +22,7 @@ class PendingSend:
         claimed: a decode node claimed it and may be reading now.
         held_since: when it was added (heartbeats never extend it past ``held_since +
             max_hold_s``).
+        prompt_hash: the fingerprint of the prompt whose KV the blocks hold (CLAIM answers it).
     """
 
     request_id: str
@@ -29,6 +30,7 @@ class PendingSend:
     expires_at: float
     claimed: bool = False
     held_since: float = 0.0
+    prompt_hash: str | None = None
 
 
 class PendingSends:
@@ -57,15 +59,20 @@ class PendingSends:
         self.max_hold_s = max_hold_s
         self._entries: dict[str, PendingSend] = {}
 
-    def add(self, request_id: str, block_ids: list[int], now: float) -> PendingSend:
-        """Hold ``block_ids`` for ``request_id`` until DONE, ABORT or ``now + lease_s``.
+    def add(
+        self, request_id: str, block_ids: list[int], now: float, prompt_hash: str | None = None
+    ) -> PendingSend:
+        """Hold ``block_ids`` (the KV of the prompt fingerprinted ``prompt_hash``) for
+        ``request_id`` until DONE, ABORT or ``now + lease_s``.
 
         Raises:
             ValueError: the request is already pending.
         """
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} is already pending a send")
-        entry = PendingSend(request_id, list(block_ids), now + self.lease_s, held_since=now)
+        entry = PendingSend(
+            request_id, list(block_ids), now + self.lease_s, held_since=now, prompt_hash=prompt_hash
+        )
         self._entries[request_id] = entry
         return entry
 
@@ -84,6 +91,11 @@ class PendingSends:
         entry.expires_at = now + self.transfer_s
         return entry.block_ids
 
+    def prompt_hash(self, request_id: str) -> str | None:
+        """The prompt fingerprint an entry was held with (None when unknown or gone)."""
+        entry = self._entries.get(request_id)
+        return entry.prompt_hash if entry is not None else None
+
     def heartbeat(self, request_ids: list[str], now: float) -> list[str]:
         """Extend the leases of the entries still there, never past ``held_since +
         max_hold_s``; returns the ids that are gone."""
@@ -100,10 +112,15 @@ class PendingSends:
             entry.expires_at = max(entry.expires_at, until)
         return gone
 
-    def release(self, request_id: str) -> list[int] | None:
-        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone."""
-        entry = self._entries.pop(request_id, None)
-        return entry.block_ids if entry is not None else None
+    def release(self, request_id: str, unclaimed_only: bool = False) -> list[int] | None:
+        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone.
+        With ``unclaimed_only`` a claimed entry stays (a decode node may be reading it; it
+        releases the entry itself)."""
+        entry = self._entries.get(request_id)
+        if entry is None or (unclaimed_only and entry.claimed):
+            return None
+        del self._entries[request_id]
+        return entry.block_ids
 
     def sweep(self, now: float) -> list[PendingSend]:
         """Drop and return the expired entries (their blocks are to be freed)."""

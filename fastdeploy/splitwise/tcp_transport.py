@@ -58,9 +58,24 @@ def _gather(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
     return blocks.view(torch.uint8).numpy().tobytes()
 
 
-def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
+def _until(sock: socket.socket, deadline: float) -> None:
+    """Give the next blocking call on ``sock`` only what is left before ``deadline``
+    (``time.monotonic()``): a per-call timeout alone would let a peer that trickles bytes hold a
+    pull forever.
+
+    Raises:
+        TimeoutError: the deadline has passed.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the pull did not finish within its deadline")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, buffer: memoryview, deadline: float) -> None:
     got = 0
     while got < len(buffer):
+        _until(sock, deadline)
         n = sock.recv_into(buffer[got:])
         if n == 0:
             raise ConnectionError(f"the peer closed the connection after {got} of {len(buffer)} B")
@@ -179,6 +194,8 @@ class TcpKVTransport:
     ) -> Transfer:
         """Pull ``remote_block_ids`` of the peer described by ``remote`` (its
         :meth:`local_metadata`) into ``local_block_ids`` of the registered caches, on a thread.
+        ``timeout_s`` is the whole pull's deadline, not a limit per socket call: a peer that
+        trickles bytes fails it too.
 
         Raises:
             ValueError: the two id lists differ in length, or nothing is registered.
@@ -195,6 +212,7 @@ class TcpKVTransport:
 
     def _pull(self, transfer, remote, remote_ids, local_ids, timeout_s) -> None:
         start = time.monotonic()
+        deadline = start + timeout_s  # for the whole pull, not for each socket call
         error = None
         try:
             with socket.create_connection((remote["host"], remote["port"]), timeout_s) as sock:
@@ -204,16 +222,19 @@ class TcpKVTransport:
                 request = {"block_ids": remote_ids}
                 if self.auth is not None:
                     request = self.auth.sign(PURPOSE, request)
+                _until(sock, deadline)
                 sock.sendall((json.dumps(request) + "\n").encode())
-                header = json.loads(_read_line(sock))
+                header = json.loads(_read_line(sock, deadline))
                 if not header.get("ok"):
                     raise ConnectionError(f"the peer refused: {header.get('error')}")
-                self._receive(sock, header, local_ids, transfer)
+                self._receive(sock, header, local_ids, transfer, deadline)
         except (OSError, ValueError, KeyError) as e:
             error = f"{type(e).__name__}: {e}"
         transfer.finish(error, time.monotonic() - start)
 
-    def _receive(self, sock, header: dict, local_ids: list[int], transfer: Transfer) -> None:
+    def _receive(
+        self, sock, header: dict, local_ids: list[int], transfer: Transfer, deadline: float
+    ) -> None:
         local_bytes = block_bytes(self.kv_caches[0])
         if header["num_layers"] != len(self.kv_caches) or header["block_bytes"] != local_bytes:
             raise ValueError(
@@ -224,7 +245,7 @@ class TcpKVTransport:
         index = torch.tensor(local_ids, dtype=torch.long)
         for kv in self.kv_caches:
             staging = torch.empty((n, *kv.shape[1:]), dtype=kv.dtype)
-            _recv_exact(sock, memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+            _recv_exact(sock, memoryview(staging.view(torch.uint8).numpy()).cast("B"), deadline)
             transfer.num_bytes += n * local_bytes
             kv.index_copy_(0, index.to(kv.device), staging.to(kv.device))
         if kv.is_cuda:
@@ -262,10 +283,12 @@ def _read_request_line(conn: socket.socket) -> bytes:
     return bytes(out)
 
 
-def _read_line(sock: socket.socket) -> bytes:
-    """One ``\\n``-terminated line, read byte by byte so no frame byte is consumed."""
+def _read_line(sock: socket.socket, deadline: float) -> bytes:
+    """One ``\\n``-terminated line, read byte by byte so no frame byte is consumed, before
+    ``deadline``."""
     out = bytearray()
     while not out.endswith(b"\n"):
+        _until(sock, deadline)
         chunk = sock.recv(1)
         if not chunk:
             raise ConnectionError("the peer closed the connection before answering")

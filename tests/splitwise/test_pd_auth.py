@@ -22,7 +22,7 @@ from fastdeploy.splitwise.pd_auth import (
     set_process_auth,
 )
 from fastdeploy.splitwise.prefill_control import PrefillControl
-from fastdeploy.splitwise.protocol import RemotePrefill, kv_layout
+from fastdeploy.splitwise.protocol import RemotePrefill, kv_layout, prompt_fingerprint
 from fastdeploy.splitwise.side_channel import SideChannelError, SideChannelServer, send_control
 from fastdeploy.splitwise.tcp_transport import TcpKVTransport
 
@@ -32,8 +32,9 @@ LAYOUT = kv_layout("m", "float32", 2, 2, 8, 4)
 
 def reference(host="127.0.0.1", port=5601, **kw) -> dict:
     params = RemotePrefill(
-        "p0", "p-1", host, port, [3, 4, 5], 11, 42, 30.0, {"transport": "tcp"}, LAYOUT
-    ).to_dict()
+        "p0", "p-1", host, port, [3, 4, 5], 11, 42, 30.0, {"transport": "tcp"}, LAYOUT,
+        prompt_hash=prompt_fingerprint(range(11)),  # the prompt check_leg sends
+    ).to_dict()  # fmt: skip
     return params | kw
 
 
@@ -218,7 +219,7 @@ def test_tcp_reads_must_be_signed_and_fresh(kv_pair):
     for _ in range(2):
         with socket.create_connection(("127.0.0.1", meta["port"]), timeout=5) as sock:
             sock.sendall(line)
-            answers.append(json.loads(tcp_transport._read_line(sock)))
+            answers.append(json.loads(tcp_transport._read_line(sock, time.monotonic() + 5)))
     assert answers[0]["ok"] is True
     assert answers[1]["ok"] is False and "(replayed)" in answers[1]["error"]
     assert prefill.auth.rejected == {"unsigned": 1, "bad_signature": 1, "replayed": 1}
@@ -234,7 +235,7 @@ def test_tcp_port_times_out_silent_clients_and_caps_connections(kv_pair, monkeyp
     try:
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-            answer = json.loads(tcp_transport._read_line(extra))
+            answer = json.loads(tcp_transport._read_line(extra, time.monotonic() + 5))
         assert answer["ok"] is False and "PD KV port: too many connections" in answer["error"]
         assert prefill.refused_connections == 1
         start = time.monotonic()
@@ -325,3 +326,29 @@ def test_the_nonce_store_forgets_what_is_stale_anyway():
     clock.now += 31  # all 100 would be refused as stale now: no need to remember them
     auth.verify("side-channel", auth.sign("side-channel", {"op": "DONE"}))
     assert len(auth._nonces) == 1 and len(auth._expiry) == 1
+
+
+def test_a_refused_leg_is_released_only_at_a_prefill_node_this_node_trusts():
+    """A decode node that refuses a leg tells the prefill node named in it (ABORT), but only
+    one it trusts: otherwise a client could make it connect to any address it writes."""
+    from fastdeploy.splitwise.roles import release_refused_leg
+
+    seen = []
+    side = SideChannelServer("127.0.0.1", 0, lambda op, m: seen.append((op, m)) or {}).start()
+    try:
+        leg = reference("127.0.0.1", side.port)
+        elsewhere = PrefillTrust(allowed=(("127.0.0.1", side.port + 1),))
+        assert release_refused_leg(leg, elsewhere) is False  # not on the list: no connection
+        assert release_refused_leg(reference("10.9.9.9", side.port), None) is False  # not loopback
+        keyed = PrefillTrust(key=KEY)
+        assert release_refused_leg(leg, keyed) is False  # unsigned reference under a secret
+        time.sleep(0.3)
+        assert seen == []
+        assert release_refused_leg(PDAuth(KEY).sign_reference(leg), keyed) is True
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [op for op, _ in seen] == ["ABORT"]
+        assert "auth" in seen[0][1]  # signed with the trust's secret
+    finally:
+        side.close()

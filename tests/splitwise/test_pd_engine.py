@@ -157,15 +157,41 @@ def test_layout_mismatch_is_refused(prefill, decode):
     p_outs = run(prefill, "p-layout", prompt, GREEDY, {"do_remote_decode": True})
     kv = dict(p_outs[-1].kv_transfer_params)
     kv["layout"] = {**kv["layout"], "block_size": 32}
+    before = dict(prefill.get_stats()["pd"])
     with pytest.raises(ValueError, match="block_size: prefill 32 != decode 16"):
         decode.add_request("d-layout", prompt, GREEDY, kv)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         decode.add_request("d-len", prompt[:-1], GREEDY, p_outs[-1].kv_transfer_params)
     with pytest.raises(ValueError, match="do_remote_decode=true is invalid on a decode node"):
         decode.add_request("d-leg", prompt, GREEDY, {"do_remote_decode": True})
-    settle(prefill, timeout_s=10)  # lease expiry frees it (pd_lease_s=5)
-    assert prefill.get_stats()["pd"]["expired_total"] >= 1
+    settle(prefill, timeout_s=3)  # the refused leg's ABORT frees it, before the 5 s lease
+    after = prefill.get_stats()["pd"]
+    assert after["aborts_total"] == before["aborts_total"] + 1
+    assert after["expired_total"] == before["expired_total"]
+    assert after["pending_sends"] == 0
     assert_all_free(prefill)
+
+
+def test_a_reference_to_another_prompt_of_the_same_length_is_refused(prefill, decode):
+    """A prefill answer for prompt A sent with prompt B of the same length: refused before a
+    block is read or cached, naming prompt_hash, and the prefill node frees A's blocks now (not
+    at lease expiry). Then A's own leg still works."""
+    a, b = prompts(2, 50, 51, seed=9)
+    assert len(a) == len(b) and a != b
+    p_outs = run(prefill, "p-other", a, GREEDY, {"do_remote_decode": True})
+    kv = p_outs[-1].kv_transfer_params
+    with pytest.raises(ValueError, match="prompt_hash=.* belongs to another prompt"):
+        decode.add_request("d-other", b, GREEDY, kv)
+    assert decode.scheduler.get_request("d-other") is None
+    t0 = time.monotonic()
+    settle(prefill)  # the ABORT of the refused leg arrives at once
+    assert time.monotonic() - t0 < 3  # the lease is 5 s
+    stats = prefill.get_stats()["pd"]
+    assert stats["aborts_total"] >= 1 and stats["pending_sends"] == 0
+    assert_all_free(prefill)
+    missing = {k: v for k, v in kv.items() if k != "prompt_hash"}
+    with pytest.raises(ValueError, match="missing or mistypes prompt_hash"):
+        decode.add_request("d-nohash", a, GREEDY, missing)
 
 
 def dead_peer_params(prefill, prompt):
@@ -249,6 +275,10 @@ def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
             decode.add_request("d-tok", prompt, GREEDY, kv | {"first_token_id": bad})
     with pytest.raises(ValueError, match="first_token_logprobs"):
         decode.add_request("d-lp", prompt, GREEDY, kv | {"first_token_logprobs": [1, 2, 3]})
+    settle(prefill)  # each refusal sent ABORT: the blocks are free again
+    assert_all_free(prefill)
+    p_outs = run(prefill, "p-forge1", prompt, GREEDY, {"do_remote_decode": True})
+    kv = p_outs[-1].kv_transfer_params
     forged = kv | {"remote_block_ids": [b + 1 for b in kv["remote_block_ids"]]}
     outs = run(decode, "d-forged", prompt, GREEDY, forged)
     assert isinstance(outs[-1].error, KVTransferError) and "other blocks" in str(outs[-1].error)

@@ -99,6 +99,39 @@ def test_prefill_node_killed_after_it_answered(tmp_path):
         assert_all_released(recompute.url)
 
 
+def test_a_frozen_prefill_node_fails_the_decode_leg_at_the_transfer_deadline(tmp_path):
+    """The prefill node answered, then froze (SIGSTOP: alive, its ports accept, nothing
+    answers). With --pd-transfer-timeout 2 the decode leg gets its 502 at about 2 s (before:
+    5 s, the side channel's own limit, whatever the deadline); once the node resumes it frees
+    the blocks."""
+    deadline = ["--pd-transfer-timeout", "2"]
+    with Cluster(tmp_path) as cluster:
+        prefill = cluster.start_server(
+            ["--splitwise-role", "prefill", *deadline, *TCP], name="prefill"
+        )
+        decode = cluster.start_server(
+            ["--splitwise-role", "decode", *deadline, *TCP], name="decode"
+        )
+        cluster.wait_healthy(prefill, decode)
+        body = completion_body(300, False)
+        params = prefill_leg(prefill.url, body)
+        os.killpg(prefill.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(
+                decode.url + "/v1/completions", json=body | {"kv_transfer_params": params},
+                timeout=TIMEOUT,
+            )  # fmt: skip
+            seconds = time.monotonic() - t0
+            print(f"the decode leg failed after {seconds:.2f} s (deadline 2 s)")
+        finally:
+            os.killpg(prefill.pid, signal.SIGCONT)
+        assert r.status_code == 502, r.text
+        assert "PD transfer failed" in r.json()["error"]["message"]
+        assert 1.9 <= seconds <= 2 + 1.0, seconds
+        wait_until(lambda: assert_all_released(decode.url, prefill.url), 10)
+
+
 def test_decode_pool_too_small_waits_then_completes_or_503(tmp_path):
     # 9 blocks of 64 tokens: 8 usable = 512 tokens; a local request of 300 + 200 tokens holds
     # all 8 while the PD request waits for 2.
