@@ -232,6 +232,16 @@ FD_FLASHINFER_DIRECT_PLAN = EnvVar(
     "plan(). Read when the backend is built.",
 )
 
+FD_PD_SECRET = EnvVar(
+    "FD_PD_SECRET",
+    "str | None",
+    _parse_str,
+    None,
+    "The shared secret of prefill/decode peers (prefill node, decode node, fastdeploy router) when "
+    "--pd-secret-file is not given: it signs every side-channel message, tcp KV read and KV "
+    "reference (HMAC-SHA256). At least 16 bytes. Unset: PD runs unauthenticated (a warning).",
+)
+
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
 
 

@@ -204,6 +204,19 @@ class ServerMetrics:
         self.pd_claims = Counter(
             "fastdeploy:pd_claims", "CLAIMs answered by this prefill node.", registry=r
         )
+        self.pd_auth_rejected = Counter(
+            "fastdeploy:pd_auth_rejected",
+            "PD side-channel messages and tcp KV reads refused by the PD secret check, by reason "
+            "(unsigned, malformed, bad_signature, stale, replayed).",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_connections_refused = Counter(
+            "fastdeploy:pd_connections_refused",
+            "PD connections refused over --pd-max-connections, by listener (side_channel, kv).",
+            ["listener"],
+            registry=r,
+        )
         self.num_waiting_for_remote_kv = Gauge(
             "fastdeploy:num_requests_waiting_for_remote_kv",
             "Decode-leg requests holding blocks while their KV is pulled.",
@@ -340,6 +353,12 @@ class ServerMetrics:
             for reason, total in (pd.get("failures") or {}).items():
                 counter = self.kv_transfer_failures.labels(reason=reason)
                 self._inc_to(f"failures_{reason}", counter, total)
+        for reason, total in (pd.get("auth_rejected") or {}).items():
+            counter = self.pd_auth_rejected.labels(reason=reason)
+            self._inc_to(f"auth_rejected_{reason}", counter, total)
+        for listener, total in (pd.get("connections_refused") or {}).items():
+            counter = self.pd_connections_refused.labels(listener=listener)
+            self._inc_to(f"connections_refused_{listener}", counter, total)
 
     def _observe_host_tier(self, stats: dict) -> None:
         if "host_cache_hit_tokens" not in stats:

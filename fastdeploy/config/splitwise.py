@@ -6,10 +6,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastdeploy.config.checks import check, is_number
+from fastdeploy.config.checks import check, check_int, is_number
 
 CACHE_TRANSFER_PROTOCOLS = ("auto", "nixl", "tcp")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+def parse_peer(entry: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        ValueError: not ``host:port`` with a port in 1..65535 (naming the entry).
+    """
+    host, sep, port = entry.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"pd_allowed_prefill entry {entry!r} is invalid; allowed: host:port (the prefill "
+            "node's --pd-host and --pd-comm-port), e.g. 10.0.0.5:5601"
+        )
+    return host, int(port)
 
 
 @dataclass
@@ -27,7 +43,20 @@ class SplitwiseConfig:
             the request locally, eagerly) when a KV transfer fails.
         pd_decode_wait_timeout: seconds a decode-leg request may wait for free blocks before it
             gets a 503.
-        pd_transfer_timeout: seconds one claimed transfer may take.
+        pd_transfer_timeout: the deadline of one pull on a decode node, in seconds (CLAIM, read
+            and DONE together; a stalled peer's failure is reported at it), and how long a
+            prefill node keeps a claimed entry.
+        pd_secret_file: a file holding the secret every PD peer shares (the prefill node, the
+            decode node, ``fastdeploy router``); None: ``FD_PD_SECRET``, else unauthenticated.
+            Only the path is kept here (the config is printed by ``/v1/server_info``).
+        pd_allowed_prefill: on a decode node, the prefill side channels (``host:port``, as the
+            prefill node advertises them) it pulls from; None: any that proves the secret, or
+            without a secret loopback ones only.
+        pd_max_connections: connections served at once by the side channel and by the tcp KV
+            port, each (more are refused and counted).
+        pd_max_hold_s: on a prefill node, the longest time heartbeats may keep a finished
+            request's blocks held for a decode node, from when they were first held; a claim
+            still gets its full ``pd_transfer_timeout``.
     """
 
     pd_comm_port: int | None = None
@@ -37,6 +66,10 @@ class SplitwiseConfig:
     kv_load_failure_policy: str = "fail"
     pd_decode_wait_timeout: float = 30.0
     pd_transfer_timeout: float = 30.0
+    pd_secret_file: str | None = None
+    pd_allowed_prefill: list[str] | None = None
+    pd_max_connections: int = 256
+    pd_max_hold_s: float = 300.0
 
     def __post_init__(self) -> None:
         check(
@@ -64,6 +97,41 @@ class SplitwiseConfig:
             self.kv_load_failure_policy,
             ", ".join(KV_LOAD_FAILURE_POLICIES),
         )
-        for name in ("pd_lease_s", "pd_decode_wait_timeout", "pd_transfer_timeout"):
+        for name in (
+            "pd_lease_s",
+            "pd_decode_wait_timeout",
+            "pd_transfer_timeout",
+            "pd_max_hold_s",
+        ):
             value = getattr(self, name)
             check(is_number(value) and 0 < value < float("inf"), name, value, "finite seconds > 0")
+        check(
+            self.pd_max_hold_s >= self.pd_lease_s,
+            "pd_max_hold_s",
+            self.pd_max_hold_s,
+            f"seconds >= pd_lease_s ({self.pd_lease_s:g})",
+        )
+        check(
+            self.pd_secret_file is None
+            or (isinstance(self.pd_secret_file, str) and self.pd_secret_file != ""),
+            "pd_secret_file",
+            self.pd_secret_file,
+            "a path or null",
+        )
+        check_int("pd_max_connections", self.pd_max_connections, minimum=1)
+        if self.pd_allowed_prefill is not None:
+            check(
+                isinstance(self.pd_allowed_prefill, list) and bool(self.pd_allowed_prefill),
+                "pd_allowed_prefill",
+                self.pd_allowed_prefill,
+                "a non-empty list of host:port, or null",
+            )
+            for entry in self.pd_allowed_prefill:
+                parse_peer(entry)  # ValueError naming the entry
+
+    @property
+    def allowed_prefill_peers(self) -> tuple[tuple[str, int], ...] | None:
+        """:attr:`pd_allowed_prefill` as ``(host, port)`` pairs (None when not set)."""
+        if self.pd_allowed_prefill is None:
+            return None
+        return tuple(parse_peer(e) for e in self.pd_allowed_prefill)

@@ -30,6 +30,8 @@ class Admission:
         kv_layout: this node's KV layout (what a PD peer's must equal); None outside PD.
         block_size: tokens per KV block.
         tensor_parallel_size: ranks of the model (``prompt_logprobs`` needs 1).
+        pd_trust: on a decode node, which prefill nodes a decode leg may name
+            (``splitwise.pd_auth.PrefillTrust``); None: loopback ones only.
     """
 
     max_model_len: int
@@ -40,6 +42,7 @@ class Admission:
     kv_layout: dict | None = None
     block_size: int = 16
     tensor_parallel_size: int = 1
+    pd_trust: Any = None
 
     def check(
         self,
@@ -54,8 +57,10 @@ class Admission:
             ValueError: empty prompt, a token id outside the vocabulary, a ``stop_token_ids`` or
                 ``logit_bias`` id outside it, stop strings without a tokenizer, or
                 ``kv_transfer_params`` this node's role cannot serve (a layout mismatch, a
-                prompt length that differs from the prefill node's), or ``prompt_logprobs``
-                where they cannot be computed (:meth:`_check_prompt_logprobs`).
+                prompt length or fingerprint that differs from the prefill node's, a
+                prefill node this node does not trust or an unsigned reference:
+                ``PrefillTrust.check``), or
+                ``prompt_logprobs`` where they cannot be computed (:meth:`_check_prompt_logprobs`).
             PromptTooLongError: a prompt of ``max_model_len`` tokens or more (no room for one
                 output token; the message names both lengths, and the KV pool when that is what
                 bounds ``max_model_len``).
@@ -71,7 +76,11 @@ class Admission:
 
         leg = check_kv_transfer_params(self.splitwise_role, kv_transfer_params, self.kv_layout)
         if leg not in (None, True):
-            check_decode_leg(leg, len(prompt_token_ids), self.vocab_size, self.block_size)
+            from fastdeploy.splitwise.pd_auth import PrefillTrust
+
+            # Before anything connects anywhere: is the prefill node one this node trusts?
+            (self.pd_trust or PrefillTrust()).check(kv_transfer_params)
+            check_decode_leg(leg, prompt_token_ids, self.vocab_size, self.block_size)
         return leg
 
     def _check_prompt_logprobs(self, value: int, kv_transfer_params: dict | None) -> None:

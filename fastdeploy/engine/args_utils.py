@@ -68,6 +68,13 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _split_peers(value: str | list[str] | None) -> list[str] | None:
+    """``--pd-allowed-prefill``'s ``host:port,host:port`` as a list (a list passes through)."""
+    if value is None or isinstance(value, list):
+        return value
+    return [p.strip() for p in str(value).split(",") if p.strip()]
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set when starting the engine, flat, with FastDeploy's names.
@@ -215,7 +222,43 @@ class EngineArgs:
         metadata=_cli("seconds a decode-leg request waits for KV blocks before a 503", float),
     )
     pd_transfer_timeout: float = field(
-        default=30.0, metadata=_cli("seconds one claimed KV transfer may take", float)
+        default=30.0, metadata=_cli("deadline in seconds of one KV pull (CLAIM, read, DONE)", float)
+    )
+    pd_secret_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "file holding the secret that prefill nodes, decode nodes and the router share; it "
+            "signs every PD control message, tcp KV read and KV reference (default: the "
+            "FD_PD_SECRET environment variable; neither: PD is unauthenticated and a warning "
+            "is logged)",
+            str,
+        ),
+    )
+    pd_allowed_prefill: str | None = field(
+        default=None,
+        metadata=_cli(
+            "decode node: the prefill nodes it pulls KV from, as host:port,... of their "
+            "--pd-host and --pd-comm-port; any other kv_transfer_params address is a 400 "
+            "(default: any prefill node that proves the PD secret; without a secret, loopback "
+            "ones only)",
+            str,
+        ),
+    )
+    pd_max_connections: int = field(
+        default=256,
+        metadata=_cli(
+            "connections served at once by the PD side channel and by the tcp KV port, each; "
+            "more are refused and counted",
+            int,
+        ),
+    )
+    pd_max_hold_s: float = field(
+        default=300.0,
+        metadata=_cli(
+            "prefill node: longest time heartbeats may keep a finished request's KV blocks "
+            "held for a decode node",
+            float,
+        ),
     )
     device: str = field(default="auto", metadata=_cli("device to run on", str, DEVICES))
     attention_backend: str | None = field(
@@ -395,6 +438,10 @@ class EngineArgs:
             kv_load_failure_policy=self.kv_load_failure_policy,
             pd_decode_wait_timeout=self.pd_decode_wait_timeout,
             pd_transfer_timeout=self.pd_transfer_timeout,
+            pd_secret_file=self.pd_secret_file,
+            pd_allowed_prefill=_split_peers(self.pd_allowed_prefill),
+            pd_max_connections=self.pd_max_connections,
+            pd_max_hold_s=self.pd_max_hold_s,
         )
         graph_opt_config = GraphOptimizationConfig.from_value(self.graph_optimization_config)
         device = self.resolve_device()

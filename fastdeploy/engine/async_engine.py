@@ -178,6 +178,27 @@ class AsyncLLMEngine:
         """True while the engine loop is alive and has not failed."""
         return self._started and self._core.is_alive() and self._dead is None
 
+    @property
+    def splitwise_role(self) -> str:
+        """The engine's PD role: ``mixed``, ``prefill`` or ``decode`` (``mixed`` for an engine
+        that does not say)."""
+        admission = getattr(self._core, "admission", None)  # the engine in its own process
+        if admission is not None:
+            return admission.splitwise_role
+        config = getattr(getattr(self._core, "engine", None), "config", None)  # ThreadCore
+        return config.parallel_config.splitwise_role if config is not None else "mixed"
+
+    @property
+    def pd_trust(self) -> Any:
+        """On a decode node, the :class:`~fastdeploy.splitwise.pd_auth.PrefillTrust` its
+        admission checks decode legs with (None elsewhere, or for an engine that does not
+        say)."""
+        admission = getattr(self._core, "admission", None)
+        if admission is not None:
+            return getattr(admission, "pd_trust", None)
+        pd = getattr(getattr(self._core, "engine", None), "pd", None)  # ThreadCore
+        return getattr(pd, "trust", None)
+
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
         return self._core.describe()

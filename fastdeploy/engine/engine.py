@@ -246,6 +246,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             getattr(self, "kv_layout", None),
             self.config.cache_config.block_size,
             self.config.parallel_config.tensor_parallel_size,
+            getattr(getattr(self, "pd", None), "trust", None),
         )
 
     def add_request(
@@ -262,10 +263,20 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         node and its last output carries where they are); on a decode node the prefill node's
         answer (its KV is pulled, its first token is the prefill node's).
 
+        A refused decode leg (on a decode node) releases the prefill node's blocks.
+
         Raises:
             ValueError: what :meth:`check_request` raises, or a duplicate id.
         """
-        leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
+        try:
+            leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
+        except ValueError:
+            if self.config.parallel_config.splitwise_role == "decode":
+                from fastdeploy.splitwise.roles import release_refused_leg
+
+                # no decode node will pull them now
+                release_refused_leg(kv_transfer_params, self.admission().pd_trust)
+            raise
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         if leg is True:

@@ -133,6 +133,13 @@ class PDStepMixin:
         n = self.kv_cache_manager.num_blocks_for(request.num_prompt_tokens)
         blocks = list(request.block_ids[:n])
         self.kv_cache_manager.hold_blocks(blocks)
+        from fastdeploy.splitwise.protocol import prompt_fingerprint
+
         return self.pd.hold(
-            request.request_id, blocks, request.num_prompt_tokens, token_id, logprobs
+            request.request_id,
+            blocks,
+            request.num_prompt_tokens,
+            token_id,
+            logprobs,
+            prompt_fingerprint(request.prompt_token_ids),
         )

@@ -6,7 +6,9 @@ PD mode follows vLLM's ``kv_transfer_params`` protocol (``docs/pd-disaggregation
    ``max_tokens: 1`` and ``stream: false`` to one prefill node, retried on a connection error or a
    503 (on the next healthy node, ``prefill_retries`` times);
 2. decode leg: the client's original body plus the ``kv_transfer_params`` the prefill node answered
-   with, to one decode node, never retried; its answer (a stream or JSON) is passed through as is.
+   with, to one decode node, never retried; its answer is passed through: a stream as it comes,
+   JSON once read whole, so a leg that fails after its headers is never a 200 (a 502 or 504, or,
+   once a stream's status went out, an error event that ends the stream, counted as an error).
    When it fails before answering, the router sends ABORT to the prefill node's side channel so the
    blocks it holds for the transfer are freed now rather than at lease expiry.
 
@@ -47,6 +49,7 @@ from fastdeploy.router.endpoints import (
     NoHealthyBackendError,
     poll_health,
 )
+from fastdeploy.splitwise.pd_auth import PDAuth, set_process_auth
 from fastdeploy.splitwise.side_channel import SideChannelError, send_control
 
 logger = logging.getLogger(__name__)
@@ -106,7 +109,18 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
     none is given) and stops them. ``config.api_key``: its clients need one
     (:class:`~fastdeploy.entrypoints.openai.auth.APIKeyMiddleware`; a refusal counts as outcome
     ``unauthorized``); ``config.backend_api_key``: set as the client's ``Authorization`` header,
-    so every request to a backend carries it (a given client too)."""
+    so every request to a backend carries it (a given client too).
+
+    Raises:
+        ValueError: the PD secret cannot be read or is too short.
+    """
+    auth = PDAuth.from_secret_file(config.pd_secret_file) if config.is_pd else None
+    set_process_auth(auth)  # any send_control in this process signs, passed auth= or not
+    if config.is_pd and auth is None:
+        logger.warning(
+            "no --pd-secret-file or FD_PD_SECRET: the ABORTs this router sends are unsigned "
+            "(prefill nodes that have a secret refuse them and free the blocks at lease expiry)"
+        )
     if config.is_pd:
         pools = {
             "prefill": EndpointPool("prefill", config.prefill, config.policy),
@@ -186,17 +200,14 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
             return error_response(400, "the body is not valid JSON", request_id)
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object", request_id)
-        router = _Legs(config, pools, state["client"], metrics, request_id)
+        router = _Legs(config, pools, state["client"], metrics, request_id, auth)
         try:
             if config.is_pd:
-                response = await router.pd(path, body)
-            else:
-                response = await router.forward(pools["backend"], path, body, "backend")
+                return await router.pd(path, body)
+            return await router.forward(pools["backend"], path, body, "backend")
         except LegError as e:
             metrics.requests.labels("error").inc()
             return error_response(e.status, str(e), request_id)
-        metrics.requests.labels("ok" if response.status_code < 400 else "backend_error").inc()
-        return response
 
     @app.post("/v1/chat/completions")
     async def chat(raw: HTTPRequest) -> Response:
@@ -219,9 +230,10 @@ class _Legs:
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         request_id: str,
+        auth: PDAuth | None = None,
     ) -> None:
         self.config, self.pools, self.client = config, pools, client
-        self.metrics, self.request_id = metrics, request_id
+        self.metrics, self.request_id, self.auth = metrics, request_id, auth
 
     def _timeout(self, seconds: float) -> httpx.Timeout:
         return httpx.Timeout(seconds, connect=CONNECT_TIMEOUT_S)
@@ -247,12 +259,14 @@ class _Legs:
     async def forward(
         self, pool: EndpointPool, path: str, body: dict, leg: str, on_fail=None
     ) -> Response:
-        """Send ``body`` to one endpoint of ``pool`` and pass its answer through (streamed when
-        the backend streams). ``on_fail`` runs when no answer came back, or an error status.
+        """Send ``body`` to one endpoint of ``pool`` and pass its answer through: an event
+        stream as it comes (:meth:`_relay`), any other answer once read whole. ``on_fail`` runs
+        when no answer came back, or an error status. Counts the request's outcome in the
+        metrics when an answer came back.
 
         Raises:
             LegError: no healthy endpoint (503), or the connection failed (502) or timed out
-                (504) before an answer.
+                (504) before an answer, or before the end of a non-streamed answer.
         """
         try:
             endpoint = pool.pick()
@@ -272,34 +286,56 @@ class _Legs:
             await on_fail()  # the backend refused the leg: nothing will consume what it needed
         headers = {REQUEST_ID: self.request_id}
         media_type = response.headers.get("content-type")
-
-        streaming = (media_type or "").startswith("text/event-stream")
-
-        async def passthrough():
+        if not (media_type or "").startswith("text/event-stream"):
+            # A JSON answer is read whole before the client gets a status: a backend that sent
+            # its headers and then stalled or died is a 504 or 502, never a 200 with no body.
             try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
+                content = await response.aread()
             except httpx.HTTPError as e:
-                # The backend went away mid-answer: end a stream the way our servers do (an error
-                # event, then [DONE]) rather than cutting the connection.
-                logger.warning("%s %s failed mid-answer: %r", leg, endpoint.url, e)
-                if streaming:
-                    error = {
-                        "error": {
-                            "message": f"{leg} {endpoint.url} failed mid-stream: {e!r}",
-                            "type": "router_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
-                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                status = 504 if isinstance(e, httpx.TimeoutException) else 502
+                raise LegError(
+                    status, f"{leg} {endpoint.url} failed mid-answer: {type(e).__name__}: {e}"
+                ) from e
             finally:
                 await response.aclose()
                 pool.release(endpoint)
-
+            outcome = "ok" if response.status_code < 400 else "backend_error"
+            self.metrics.requests.labels(outcome).inc()
+            return Response(content, response.status_code, headers=headers, media_type=media_type)
         return StreamingResponse(
-            passthrough(), status_code=response.status_code, headers=headers, media_type=media_type
+            self._relay(response, endpoint, pool, leg),
+            status_code=response.status_code,
+            headers=headers,
+            media_type=media_type,
         )
+
+    async def _relay(self, response: httpx.Response, endpoint: Endpoint, pool, leg: str):
+        """Pass a stream through. Its status already went out, so a backend that fails or stalls
+        (no byte within ``decode_timeout_s``) mid-stream ends it the way our servers end a failed
+        stream (an error event, then ``[DONE]``), and the request counts as an ``error``; a
+        client that leaves counts as ``cancelled``."""
+        outcome = "cancelled"
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+            outcome = "ok" if response.status_code < 400 else "backend_error"
+        except httpx.HTTPError as e:
+            outcome = "error"
+            logger.warning("%s %s failed mid-answer: %r", leg, endpoint.url, e)
+            what = "stalled" if isinstance(e, httpx.TimeoutException) else "failed"
+            error = {
+                "error": {
+                    "message": f"{leg} {endpoint.url} {what} mid-stream: {type(e).__name__}: {e}",
+                    "type": "router_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+            await response.aclose()
+            pool.release(endpoint)
 
     async def pd(self, path: str, body: dict) -> Response:
         """Prefill leg, then decode leg with the prefill node's ``kv_transfer_params``."""
@@ -378,7 +414,17 @@ class _Legs:
             self.metrics.aborts.labels("no_address").inc()
             return
         try:
-            await asyncio.to_thread(send_control, host, int(port), "ABORT", [str(request_id)])
+            # unclaimed_only: a decode node that claimed the blocks (it timed out here while
+            # pulling) may still be reading them; it releases them itself.
+            await asyncio.to_thread(
+                send_control,
+                host,
+                int(port),
+                "ABORT",
+                [str(request_id)],
+                unclaimed_only=True,
+                auth=self.auth,
+            )
             self.metrics.aborts.labels("sent").inc()
         except (SideChannelError, ValueError) as e:
             self.metrics.aborts.labels("failed").inc()

@@ -82,6 +82,13 @@ def make_router_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         f"{envs.FD_BACKEND_API_KEY.name} (default: none)",
     )
     parser.add_argument(
+        "--pd-secret-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the PD nodes' shared secret, to sign ABORTs to prefill nodes "
+        "(default: the FD_PD_SECRET environment variable)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -111,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_timeout_s=args.prefill_timeout_s,
         decode_timeout_s=args.decode_timeout_s,
         prefill_retries=args.prefill_retries,
+        pd_secret_file=args.pd_secret_file,
     )
 
 
@@ -139,10 +147,10 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         check_port_free(args.host, args.port)
+        app = build_router_app(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_router_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

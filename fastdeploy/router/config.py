@@ -55,6 +55,8 @@ class RouterConfig:
         backend_api_key: the key the router sends to every backend, on every request it makes
             there (both legs, ``/v1/models``, health polls); None: none. Neither key appears in
             the repr.
+        pd_secret_file: the PD nodes' shared secret (``--pd-secret-file``; None:
+            ``FD_PD_SECRET``), which signs the ABORTs the router sends to prefill nodes.
     """
 
     prefill: list[str] = field(default_factory=list)
@@ -68,6 +70,7 @@ class RouterConfig:
     prefill_retries: int = 2
     api_key: list[str] = field(default_factory=list, repr=False)
     backend_api_key: str | None = field(default=None, repr=False)
+    pd_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "backend"):

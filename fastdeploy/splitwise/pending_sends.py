@@ -20,12 +20,17 @@ class PendingSend:
         block_ids: the request's block table (the blocks it holds a reference on).
         expires_at: when the entry is freed if nothing else happened.
         claimed: a decode node claimed it and may be reading now.
+        held_since: when it was added (heartbeats never extend it past ``held_since +
+            max_hold_s``).
+        prompt_hash: the fingerprint of the prompt whose KV the blocks hold (CLAIM answers it).
     """
 
     request_id: str
     block_ids: list[int]
     expires_at: float
     claimed: bool = False
+    held_since: float = 0.0
+    prompt_hash: str | None = None
 
 
 class PendingSends:
@@ -34,28 +39,40 @@ class PendingSends:
     Args:
         lease_s: how long an unclaimed entry lives, and how long a heartbeat extends it.
         transfer_s: how long a claimed entry lives (the transfer deadline).
+        max_hold_s: how far past its :meth:`add` heartbeats may extend an entry (None: without
+            bound); a forged or runaway heartbeat cannot hold blocks longer.
 
     Raises:
-        ValueError: a lease or transfer time that is not > 0.
+        ValueError: a lease, transfer or hold time that is not > 0.
     """
 
-    def __init__(self, lease_s: float, transfer_s: float) -> None:
-        for name, value in (("pd_lease_s", lease_s), ("transfer_s", transfer_s)):
+    def __init__(self, lease_s: float, transfer_s: float, max_hold_s: float | None = None) -> None:
+        for name, value in (
+            ("pd_lease_s", lease_s),
+            ("transfer_s", transfer_s),
+            ("pd_max_hold_s", 1.0 if max_hold_s is None else max_hold_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: seconds > 0")
         self.lease_s = lease_s
         self.transfer_s = transfer_s
+        self.max_hold_s = max_hold_s
         self._entries: dict[str, PendingSend] = {}
 
-    def add(self, request_id: str, block_ids: list[int], now: float) -> PendingSend:
-        """Hold ``block_ids`` for ``request_id`` until DONE, ABORT or ``now + lease_s``.
+    def add(
+        self, request_id: str, block_ids: list[int], now: float, prompt_hash: str | None = None
+    ) -> PendingSend:
+        """Hold ``block_ids`` (the KV of the prompt fingerprinted ``prompt_hash``) for
+        ``request_id`` until DONE, ABORT or ``now + lease_s``.
 
         Raises:
             ValueError: the request is already pending.
         """
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} is already pending a send")
-        entry = PendingSend(request_id, list(block_ids), now + self.lease_s)
+        entry = PendingSend(
+            request_id, list(block_ids), now + self.lease_s, held_since=now, prompt_hash=prompt_hash
+        )
         self._entries[request_id] = entry
         return entry
 
@@ -74,8 +91,14 @@ class PendingSends:
         entry.expires_at = now + self.transfer_s
         return entry.block_ids
 
+    def prompt_hash(self, request_id: str) -> str | None:
+        """The prompt fingerprint an entry was held with (None when unknown or gone)."""
+        entry = self._entries.get(request_id)
+        return entry.prompt_hash if entry is not None else None
+
     def heartbeat(self, request_ids: list[str], now: float) -> list[str]:
-        """Extend the leases of the entries still there; returns the ids that are gone."""
+        """Extend the leases of the entries still there, never past ``held_since +
+        max_hold_s``; returns the ids that are gone."""
         gone = []
         for rid in request_ids:
             entry = self._entries.get(rid)
@@ -83,13 +106,21 @@ class PendingSends:
                 gone.append(rid)
                 continue
             span = self.transfer_s if entry.claimed else self.lease_s
-            entry.expires_at = max(entry.expires_at, now + span)
+            until = now + span
+            if self.max_hold_s is not None:
+                until = min(until, entry.held_since + self.max_hold_s)
+            entry.expires_at = max(entry.expires_at, until)
         return gone
 
-    def release(self, request_id: str) -> list[int] | None:
-        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone."""
-        entry = self._entries.pop(request_id, None)
-        return entry.block_ids if entry is not None else None
+    def release(self, request_id: str, unclaimed_only: bool = False) -> list[int] | None:
+        """DONE or ABORT: drop the entry; returns its blocks to free, or None if it was gone.
+        With ``unclaimed_only`` a claimed entry stays (a decode node may be reading it; it
+        releases the entry itself)."""
+        entry = self._entries.get(request_id)
+        if entry is None or (unclaimed_only and entry.claimed):
+            return None
+        del self._entries[request_id]
+        return entry.block_ids
 
     def sweep(self, now: float) -> list[PendingSend]:
         """Drop and return the expired entries (their blocks are to be freed)."""

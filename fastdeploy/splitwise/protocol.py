@@ -5,12 +5,20 @@
   (where the blocks are, the first token, the lease, the transport's metadata, the layout).
 
 The decode node compares the layout fingerprint with its own and refuses a mismatch with a 400
-that names the differing fields, before it touches a block.
+that names the differing fields, before it touches a block. It also compares ``prompt_hash`` (the
+prompt fingerprint, :func:`prompt_fingerprint`) with the prompt it was sent: a reference to another
+prompt's KV is refused, since pulling it would cache that KV under this prompt's block hashes.
+``prompt_hash`` is a field we add to vLLM's params; routers pass it through like the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +48,27 @@ def kv_layout(
     return dict(zip(LAYOUT_FIELDS, values))
 
 
+#: What a prompt fingerprint looks like: the hash's name, then its hex digest.
+PROMPT_HASH_FORMAT = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def prompt_fingerprint(token_ids: Sequence[int]) -> str:
+    """The fingerprint of a prompt that ``kv_transfer_params.prompt_hash`` carries:
+    ``"sha256:"`` and the hex SHA-256 of the token ids as little-endian signed 64-bit integers.
+
+    Both legs compute it from the token ids they received, so it ties a KV reference to its
+    prompt whatever the tokenizer or the router did to the text.
+
+    Raises:
+        OverflowError: a token id outside the signed 64-bit range (admission refuses those
+            before, as outside the vocabulary).
+    """
+    data = array("q", token_ids)
+    if sys.byteorder == "big":
+        data.byteswap()
+    return "sha256:" + hashlib.sha256(data.tobytes()).hexdigest()
+
+
 def is_prefill_leg(params: Any) -> bool:
     """The request asks this (prefill) node to keep its KV for a decode node."""
     return isinstance(params, dict) and params.get("do_remote_decode") is True
@@ -61,6 +90,8 @@ class RemotePrefill:
         layout: the fingerprint (:func:`kv_layout`).
         first_token_logprobs: the first token's logprobs entry when the request asked for
             logprobs (``[{"token_id", "logprob", "top_logprobs"}]``), else None.
+        prompt_hash: :func:`prompt_fingerprint` of the prompt the blocks hold (required in a
+            decode leg; None only in objects built by hand, in tests).
     """
 
     remote_engine_id: str
@@ -74,6 +105,7 @@ class RemotePrefill:
     transport: dict[str, Any]
     layout: dict[str, Any]
     first_token_logprobs: list[dict[str, Any]] | None = None
+    prompt_hash: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,6 +131,7 @@ class RemotePrefill:
             "lease_s": (int, float),
             "transport": dict,
             "layout": dict,
+            "prompt_hash": str,
         }
         bad = [
             k
@@ -109,6 +142,12 @@ class RemotePrefill:
             raise ValueError(
                 f"kv_transfer_params is missing or mistypes {', '.join(bad)} (is the router "
                 "passing the prefill node's answer through unchanged?)"
+            )
+        if not PROMPT_HASH_FORMAT.match(params["prompt_hash"]):
+            raise ValueError(
+                f"kv_transfer_params.prompt_hash={params['prompt_hash'][:80]!r} is invalid; "
+                "allowed: 'sha256:' and 64 lowercase hex digits (the prefill node's fingerprint "
+                "of the prompt)"
             )
         if not all(isinstance(b, int) and b > 0 for b in params["remote_block_ids"]):
             raise ValueError("kv_transfer_params.remote_block_ids must be block ids > 0")

@@ -5,9 +5,16 @@ The engine thread submits a :class:`PullJob` once the request holds its local bl
 
 1. CLAIMs the prefill node's blocks over the side channel (a GONE answer fails the job: the blocks
    may already be freed and reused, so they must not be read);
-2. pulls only the blocks this node's prefix cache lacks (``skip_blocks`` at the front) through the
-   transport;
+2. checks that the prefill node holds the blocks and the prompt (its fingerprint) that
+   ``kv_transfer_params`` name, then pulls only the blocks this node's prefix cache lacks
+   (``skip_blocks`` at the front) through the transport, from where the CLAIM answer says
+   the blocks are (a prefill node names its own transport; the ``transport`` of
+   ``kv_transfer_params`` is only the fallback of a peer that does not);
 3. sends DONE (the prefill node frees its blocks), or ABORT when the pull failed.
+
+The job's ``timeout_s`` is one deadline for all three: each step gets what is left of it, so a
+stalled (not dead) peer's failure is reported at the deadline plus at most
+:data:`TRAILER_FLOOR_S`.
 
 A cancelled job (the client went away) reports only once its pull can write no more, so the engine
 frees the local blocks after any late write. Byte and time counts feed the metrics.
@@ -27,6 +34,10 @@ from fastdeploy.splitwise.side_channel import SideChannelError, send_control
 from fastdeploy.splitwise.transport import Transfer
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a DONE or ABORT may take once the job's deadline has passed (a failed pull still
+#: tells the prefill node, but a stalled one holds the result back by at most this much).
+TRAILER_FLOOR_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -66,11 +77,13 @@ class RemoteKVLoader:
     Args:
         transport: a registered KV transport (``tcp`` or ``nixl``).
         control_timeout_s: limit of one side channel message.
+        auth: signs the side channel messages (None: the process's PD secret, if any).
     """
 
-    def __init__(self, transport, control_timeout_s: float = 5.0) -> None:
+    def __init__(self, transport, control_timeout_s: float = 5.0, auth=None) -> None:
         self.transport = transport
         self.control_timeout_s = control_timeout_s
+        self.auth = auth
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._transfers: dict[str, Transfer] = {}
@@ -115,24 +128,29 @@ class RemoteKVLoader:
             except queue.Empty:
                 return results
 
-    def _control(self, op: str, job: PullJob) -> dict:
+    def _control(self, op: str, job: PullJob, timeout_s: float) -> dict:
         r = job.remote
+        extra = {} if self.auth is None else {"auth": self.auth}
         return send_control(
-            r.remote_host, r.remote_port, op, [r.remote_request_id], self.control_timeout_s
+            r.remote_host, r.remote_port, op, [r.remote_request_id], timeout_s, **extra
         )
 
-    def _abort_quietly(self, job: PullJob) -> None:
+    def _tell_quietly(self, op: str, job: PullJob, deadline: float) -> None:
+        """DONE or ABORT, best effort, within what is left of the deadline (at least
+        :data:`TRAILER_FLOOR_S`): the prefill node frees a claimed entry at its own transfer
+        deadline anyway, so a stalled peer never holds the result back."""
+        left = max(deadline - time.monotonic(), TRAILER_FLOOR_S)
         try:
-            self._control("ABORT", job)
-        except SideChannelError as e:  # the prefill node frees them at lease expiry anyway
+            self._control(op, job, min(self.control_timeout_s, left))
+        except SideChannelError as e:
             logger.warning("request %s: %s", job.request_id, e)
 
     def _run(self, job: PullJob) -> None:
         start = time.monotonic()
-        error, num_bytes = None, 0
+        deadline = start + job.timeout_s
         error, num_bytes = "transfer: the pull thread failed", 0
         try:
-            error, num_bytes = self._claim_and_pull(job)
+            error, num_bytes = self._claim_and_pull(job, deadline)
         except Exception as e:  # noqa: BLE001 - never report an unfinished pull as a success
             logger.exception("request %s: pull failed", job.request_id)
             error = f"transfer: {type(e).__name__}: {e}"
@@ -148,25 +166,42 @@ class RemoteKVLoader:
             if wake is not None:
                 wake()
 
-    def _claim_and_pull(self, job: PullJob) -> tuple[str | None, int]:
+    def _claim_and_pull(self, job: PullJob, deadline: float) -> tuple[str | None, int]:
+        """CLAIM, pull and DONE (or ABORT) within ``deadline`` (``time.monotonic()``): every
+        step gets only what is left of it, so a stalled peer's failure is reported at the
+        deadline, not at the sum of the steps' own limits."""
         if job.skip_blocks == len(job.local_block_ids):  # all cached here: nothing to read
-            try:
-                self._control("DONE", job)
-            except SideChannelError as e:
-                logger.warning("request %s: %s", job.request_id, e)
+            self._tell_quietly("DONE", job, deadline)
             return None, 0
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"transfer: no time left of the {job.timeout_s:g} s deadline to CLAIM", 0
         try:
-            reply = self._control("CLAIM", job)
+            reply = self._control("CLAIM", job, min(self.control_timeout_s, left))
         except SideChannelError as e:
+            if isinstance(e.__cause__, TimeoutError):
+                # A stalled peer may still serve this CLAIM once it resumes: queue an ABORT
+                # behind it, so that it frees the blocks then rather than at its own deadline.
+                self._tell_quietly("ABORT", job, deadline)
             return f"claim: {e}", 0
         remote = job.remote
         skip = job.skip_blocks
         # Read the blocks the prefill node says it holds for this request, never the ids the
-        # client passed along (a forged list could read, and cache, other requests' KV).
+        # client passed along (a forged list could read, and cache, other requests' KV); and
+        # only if they hold this prompt (the decode node checked kv_transfer_params' copy of the
+        # fingerprint against its prompt at admission; this is the prefill node's own).
         claimed = (reply.get("block_ids") or {}).get(remote.remote_request_id)
         if claimed != list(remote.remote_block_ids):
-            self._abort_quietly(job)
+            self._tell_quietly("ABORT", job, deadline)
             return "claim: the prefill node holds other blocks than kv_transfer_params names", 0
+        held_hash = (reply.get("prompt_hashes") or {}).get(remote.remote_request_id)
+        if held_hash != remote.prompt_hash:
+            self._tell_quietly("ABORT", job, deadline)
+            return (
+                f"claim: the prefill node holds the KV of another prompt (prompt_hash "
+                f"{held_hash!r}, this request's is {remote.prompt_hash!r})",
+                0,
+            )
         try:
             with self._lock:
                 if job.request_id in self._cancelled:
@@ -174,14 +209,14 @@ class RemoteKVLoader:
                 else:
                     transfer = self.transport.start_pull(
                         job.request_id,
-                        remote.transport,
+                        reply.get("transport") or remote.transport,
                         claimed[skip:],
                         job.local_block_ids[skip:],
-                        job.timeout_s,
+                        max(deadline - time.monotonic(), 0.001),
                     )
                     self._transfers[job.request_id] = transfer
         except Exception as e:  # noqa: BLE001 - bad transport metadata: fail this pull only
-            self._abort_quietly(job)
+            self._tell_quietly("ABORT", job, deadline)
             return (
                 f"transfer: cannot start ({type(e).__name__}: {e}; do both nodes use the same "
                 "--cache-transfer-protocol?)",
@@ -190,12 +225,19 @@ class RemoteKVLoader:
         if transfer is None:
             error = "cancelled"
         else:
-            transfer.wait()
-            error = None if transfer.error is None else f"transfer: {transfer.error}"
-            if transfer.error == "cancelled":
-                error = "cancelled"
-        try:
-            self._control("ABORT" if error else "DONE", job)
-        except SideChannelError as e:  # the prefill node frees them at lease expiry anyway
-            logger.warning("request %s: %s", job.request_id, e)
+            error = self._wait(job, transfer, deadline)
+        self._tell_quietly("ABORT" if error else "DONE", job, deadline)
         return error, (transfer.num_bytes if transfer is not None else 0)
+
+    def _wait(self, job: PullJob, transfer: Transfer, deadline: float) -> str | None:
+        """Wait for ``transfer`` until ``deadline``, then cancel it (a transport that missed its
+        own limit, e.g. a peer trickling bytes) and wait until it can write no more; returns
+        the job's error or None."""
+        if not transfer.wait(max(deadline - time.monotonic(), 0.0)):
+            transfer.cancel()
+            transfer.wait()
+            if transfer.error is not None and job.request_id not in self._cancelled:
+                return f"transfer: the pull did not finish within its {job.timeout_s:g} s deadline"
+        if transfer.error == "cancelled":
+            return "cancelled"
+        return None if transfer.error is None else f"transfer: {transfer.error}"

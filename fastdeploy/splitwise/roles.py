@@ -10,7 +10,9 @@ thread (``docs/pd-disaggregation.md``, shared docs).
   leases do not run out.
 
 The transport (``tcp`` or ``nixl``) is registered once with the KV caches; the engine never sees
-its types.
+its types. With a PD secret (``--pd-secret-file`` or ``FD_PD_SECRET``) both roles sign what they
+send and refuse what is not signed (:mod:`~fastdeploy.splitwise.pd_auth`); without one they warn
+at start.
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ from collections.abc import Callable
 from typing import Any
 
 from fastdeploy.config import FDConfig
+from fastdeploy.splitwise.pd_auth import PDAuth, PrefillTrust, is_loopback, set_process_auth
 from fastdeploy.splitwise.prefill_control import PrefillControl
-from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg
+from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg, prompt_fingerprint
 from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
-from fastdeploy.splitwise.side_channel import SideChannelError, SideChannelServer, send_control
+from fastdeploy.splitwise.side_channel import (
+    PROCESS_AUTH,
+    SideChannelError,
+    SideChannelServer,
+    send_control,
+)
 from fastdeploy.splitwise.transport import make_transport
 
 logger = logging.getLogger(__name__)
@@ -63,19 +71,29 @@ def check_first_token_logprobs(entries, token_id: int) -> None:
         )
 
 
-def check_decode_leg(leg: Any, num_prompt_tokens: int, vocab_size: int, block_size: int) -> None:
+def check_decode_leg(
+    leg: Any, prompt_token_ids: list[int], vocab_size: int, block_size: int
+) -> None:
     """A decode leg's :class:`RemotePrefill` against the request it arrived with: the same
-    prompt length, a first token inside the vocabulary with well-formed logprobs, and one remote
-    block per ``block_size`` prompt tokens.
+    prompt (length, then fingerprint: a reference of the right length to another prompt's KV
+    would be pulled and cached under this prompt's block hashes), a first token inside the
+    vocabulary with well-formed logprobs, and one remote block per ``block_size`` prompt tokens.
 
     Raises:
         ValueError: the first field that does not fit, named with what is allowed.
     """
-    n = num_prompt_tokens
+    n = len(prompt_token_ids)
     if leg.num_prompt_tokens != n:
         raise ValueError(
             f"kv_transfer_params.num_prompt_tokens={leg.num_prompt_tokens} is invalid; "
             f"allowed: this request's {n} prompt tokens (same prompt on both legs)"
+        )
+    own = prompt_fingerprint(prompt_token_ids)
+    if leg.prompt_hash != own:
+        raise ValueError(
+            f"kv_transfer_params.prompt_hash={leg.prompt_hash!r} is invalid: the KV reference "
+            f"belongs to another prompt; allowed: this request's prompt fingerprint {own!r} "
+            "(send the decode leg the same prompt token ids as the prefill leg)"
         )
     if not 0 <= leg.first_token_id < vocab_size:
         raise ValueError(
@@ -88,6 +106,75 @@ def check_decode_leg(leg: Any, num_prompt_tokens: int, vocab_size: int, block_si
             f"kv_transfer_params.remote_block_ids has {len(leg.remote_block_ids)} "
             f"blocks; allowed: the {n} prompt tokens' blocks"
         )
+
+
+def send_abort(
+    host: str,
+    port: int,
+    remote_request_id: str,
+    unclaimed_only: bool = False,
+    auth: PDAuth | None | object = PROCESS_AUTH,
+) -> None:
+    """Tell a prefill node, from a short-lived thread, that the blocks it holds for
+    ``remote_request_id`` are not needed (ABORT on its side channel, signed with ``auth``: by
+    default the process's :func:`~fastdeploy.splitwise.pd_auth.process_auth`; with
+    ``unclaimed_only`` only if no decode node has claimed them); a failure is logged, since the
+    node frees them at lease expiry anyway."""
+    extra = {"unclaimed_only": True} if unclaimed_only else {}
+
+    def send() -> None:
+        try:
+            send_control(host, port, "ABORT", [remote_request_id], auth=auth, **extra)
+        except SideChannelError as e:
+            logger.warning("ABORT of %s failed: %s", remote_request_id, e)
+
+    threading.Thread(target=send, name="pd-abort", daemon=True).start()
+
+
+def release_refused_leg(params: Any, trust: PrefillTrust | None) -> bool:
+    """A decode node refused a decode leg before admitting it (any 4xx or 503 of the request):
+    free the prefill node's blocks for it now rather than at lease expiry, since no decode node
+    will pull them (routers do not retry a decode leg).
+
+    Only a prefill node this decode node trusts is told (``trust``:
+    :class:`~fastdeploy.splitwise.pd_auth.PrefillTrust`, the admission's; None: the default,
+    loopback only): otherwise a client could make the node connect to any address it names,
+    which admission refuses for the pull too. Past that check only the three fields that
+    address the ABORT are read (``remote_host``, ``remote_port``, ``remote_request_id``), so a
+    leg refused for any other field still releases. The ABORT is ``unclaimed_only``: a copy of
+    these params admitted elsewhere, whose pull claimed the blocks and may be reading them,
+    keeps them. One for an entry already gone is a no-op.
+
+    Returns whether an ABORT was started (False: ``params`` name no prefill node, or one this
+    node does not trust).
+    """
+    if not isinstance(params, dict):
+        return False
+    host = params.get("remote_host")
+    port = params.get("remote_port")
+    rid = params.get("remote_request_id")
+    addressed = (
+        isinstance(host, str)
+        and host != ""
+        and type(port) is int
+        and 0 < port < 65536
+        and isinstance(rid, str)
+        and rid != ""
+    )
+    if not addressed:
+        return False
+    trust = trust or PrefillTrust()
+    try:
+        trust.check(params)
+    except ValueError as e:
+        logger.warning("decode leg refused; no ABORT to %s:%s: %s", host, port, e)
+        return False
+    logger.info("decode leg refused: ABORT of %s to the prefill node %s:%d", rid, host, port)
+    # Signed with the secret the trust holds: the server process of a decode node (the engine
+    # in a process of its own) has no process-wide PD auth.
+    auth = PDAuth(trust.key) if trust.key is not None else PROCESS_AUTH
+    send_abort(host, port, rid, unclaimed_only=True, auth=auth)
+    return True
 
 
 def check_kv_transfer_params(role: str, params: Any, layout: dict[str, Any]) -> Any:
@@ -139,9 +226,26 @@ class _Role:
         self.config = sw
         self.layout = layout
         self.engine_id = f"{config.parallel_config.splitwise_role}-{uuid.uuid4().hex[:12]}"
-        self.transport = make_transport(sw.cache_transfer_protocol, sw.pd_host, self.engine_id)
+        self.auth = PDAuth.from_secret_file(sw.pd_secret_file)
+        set_process_auth(self.auth)  # every send_control of this process signs with it
+        if self.auth is None:
+            logger.warning(
+                "PD is unauthenticated: no --pd-secret-file or FD_PD_SECRET, so anyone who can "
+                "reach %s can send control messages and read claimed KV blocks%s",
+                sw.pd_host,
+                "" if is_loopback(sw.pd_host) else " (--pd-host is not a loopback address)",
+            )
+        self.transport = make_transport(
+            sw.cache_transfer_protocol,
+            sw.pd_host,
+            self.engine_id,
+            auth=self.auth,
+            max_connections=sw.pd_max_connections,
+        )
         self.transport.register(kv_caches)
-        self.side_channel = SideChannelServer(sw.pd_host, sw.pd_comm_port or 0, handler).start()
+        self.side_channel = SideChannelServer(
+            sw.pd_host, sw.pd_comm_port or 0, handler, self.auth, sw.pd_max_connections
+        ).start()
         logger.info(
             "PD %s node %s: side channel on %s:%d, KV transport %s",
             config.parallel_config.splitwise_role,
@@ -150,6 +254,16 @@ class _Role:
             self.side_channel.port,
             self.transport.name,
         )
+
+    def security_stats(self) -> dict[str, Any]:
+        """Refused PD messages by reason, and connections refused over the cap, by listener."""
+        return {
+            "auth_rejected": dict(self.auth.rejected) if self.auth is not None else {},
+            "connections_refused": {
+                "side_channel": self.side_channel.refused_connections,
+                "kv": getattr(self.transport, "refused_connections", 0),
+            },
+        }
 
     def close(self) -> None:
         """Stop the side channel and the transport."""
@@ -168,11 +282,22 @@ class PrefillRole(_Role):
 
     def __init__(self, config: FDConfig, kv_caches: list, layout: dict[str, Any]) -> None:
         sw = config.splitwise_config
-        self.control = PrefillControl(sw.pd_lease_s, sw.pd_transfer_timeout)
-        super().__init__(config, kv_caches, layout, self.control.handle)
+        self.control = PrefillControl(
+            sw.pd_lease_s, sw.pd_transfer_timeout, max_hold_s=sw.pd_max_hold_s
+        )
+        self._transport_meta: dict[str, Any] | None = None
+        super().__init__(config, kv_caches, layout, self._handle)
         if hasattr(self.transport, "authorize"):  # tcp: serve only claimed blocks
             self.transport.authorize = self.control.readable
         self._transport_meta = self.transport.local_metadata()
+
+    def _handle(self, op: str, message: dict) -> dict:
+        reply = self.control.handle(op, message)
+        if op == "CLAIM":
+            # Where to read, from this node itself: a decode node reads from the address this
+            # node answers with, never from one a client wrote into kv_transfer_params.
+            reply["transport"] = self._transport_meta
+        return reply
 
     def hold(
         self,
@@ -181,10 +306,13 @@ class PrefillRole(_Role):
         num_prompt_tokens: int,
         first_token_id: int,
         first_token_logprobs: list[dict] | None = None,
+        prompt_hash: str | None = None,
     ) -> dict[str, Any]:
         """Hold ``block_ids`` (the caller already took a reference on each) for a decode node;
-        returns the ``kv_transfer_params`` of the answer."""
-        self.control.hold(request_id, block_ids)
+        returns the ``kv_transfer_params`` of the answer. ``prompt_hash`` is the prompt's
+        :func:`~fastdeploy.splitwise.protocol.prompt_fingerprint`: it goes into the answer, and
+        CLAIM answers it, so a decode node can check the blocks hold its prompt."""
+        self.control.hold(request_id, block_ids, prompt_hash)
         params = RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_request_id=request_id,
@@ -197,8 +325,11 @@ class PrefillRole(_Role):
             transport=self._transport_meta,
             layout=self.layout,
             first_token_logprobs=first_token_logprobs,
-        )
-        return params.to_dict()
+            prompt_hash=prompt_hash,
+        ).to_dict()
+        # Signed last, over every field: a decode node sharing the secret refuses a reference
+        # that was forged or altered on the way (redirected address, other blocks).
+        return self.auth.sign_reference(params) if self.auth is not None else params
 
     def take_freed(self) -> list[tuple[str, list[int], str]]:
         """``(request_id, block_ids, reason)`` of every entry released since the last call
@@ -219,6 +350,7 @@ class PrefillRole(_Role):
             "pending_sends": self.control.num_pending,
             "pending_send_blocks": self.control.num_pending_blocks,
             **{f"{k}_total": v for k, v in self.control.counts.items()},
+            **self.security_stats(),
         }
 
 
@@ -237,7 +369,11 @@ class DecodeRole(_Role):
     ) -> None:
         super().__init__(config, kv_caches, layout, self._handle)
         self.block_size = block_size
-        self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0)
+        #: Which prefill nodes decode legs may name (checked at admission).
+        self.trust = PrefillTrust(
+            self.config.allowed_prefill_peers, self.auth.key if self.auth is not None else None
+        )
+        self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0, auth=self.auth)
         self.failure_policy = self.config.kv_load_failure_policy
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0}
         self.failures: dict[str, int] = {}
@@ -270,16 +406,7 @@ class DecodeRole(_Role):
 
     def abort_remote(self, remote: RemotePrefill) -> None:
         """Tell the prefill node, from a short-lived thread, that its blocks are not needed."""
-
-        def send() -> None:
-            try:
-                send_control(
-                    remote.remote_host, remote.remote_port, "ABORT", [remote.remote_request_id]
-                )
-            except SideChannelError as e:  # it frees them at lease expiry anyway
-                logger.warning("ABORT of %s failed: %s", remote.remote_request_id, e)
-
-        threading.Thread(target=send, name="pd-abort", daemon=True).start()
+        send_abort(remote.remote_host, remote.remote_port, remote.remote_request_id, auth=self.auth)
 
     def cancel(self, request_id: str) -> None:
         """Stop a pull (its result arrives once it can write no more)."""
@@ -320,7 +447,7 @@ class DecodeRole(_Role):
                 by_peer.setdefault((r.remote_host, r.remote_port), []).append(r.remote_request_id)
             for (host, port), ids in by_peer.items():
                 try:
-                    send_control(host, port, "HEARTBEAT", ids, timeout_s=2.0)
+                    send_control(host, port, "HEARTBEAT", ids, timeout_s=2.0, auth=self.auth)
                 except SideChannelError as e:
                     logger.warning("heartbeat to the prefill node %s:%d failed: %s", host, port, e)
 
@@ -329,6 +456,7 @@ class DecodeRole(_Role):
             "transfers_in_flight": self.loader.in_flight,
             **self.counts,
             "failures": dict(self.failures),
+            **self.security_stats(),
         }
 
     def close(self) -> None:

@@ -10,6 +10,13 @@ blocks that were freed and reused; DONE and ABORT free them; HEARTBEAT extends t
 router ABORTs the prefill leg's blocks when the decode leg fails. The design is in
 ``docs/pd-disaggregation.md`` (shared docs). Only the standard library is used: the data itself
 moves through a transfer library, never through this channel.
+
+With a PD secret (:mod:`~fastdeploy.splitwise.pd_auth`), every request carries an HMAC over the
+message, a timestamp and a nonce; the server refuses unsigned, wrongly signed, stale and replayed
+requests with ``ok: false`` before the handler sees them, and counts them. Replies are not signed:
+an attacker who can alter traffic on the path can also alter the KV data, which is not encrypted.
+At most ``max_connections`` connections are served at once; a silent one is closed after
+:data:`IDLE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fastdeploy.splitwise.capped_server import MAX_CONNECTIONS, CappedTCPServer
+from fastdeploy.splitwise.pd_auth import AuthError, PDAuth, process_auth
+
 logger = logging.getLogger(__name__)
 
 OPS = ("CLAIM", "DONE", "ABORT", "HEARTBEAT")
@@ -31,6 +41,10 @@ MAX_LINE_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+#: The ``purpose`` side-channel messages are signed for (:meth:`PDAuth.sign`).
+PURPOSE = "side-channel"
+#: ``auth=`` default of :func:`send_control`: the process's own (:func:`set_process_auth`).
+PROCESS_AUTH: Any = object()
 
 
 class SideChannelError(RuntimeError):
@@ -38,7 +52,14 @@ class SideChannelError(RuntimeError):
 
 
 def send_control(
-    host: str, port: int, op: str, request_ids: list[str], timeout_s: float = 5.0, **extra: Any
+    host: str,
+    port: int,
+    op: str,
+    request_ids: list[str],
+    timeout_s: float = 5.0,
+    *,
+    auth: PDAuth | None = PROCESS_AUTH,
+    **extra: Any,
 ) -> dict[str, Any]:
     """Send one control message and return the peer's reply.
 
@@ -48,6 +69,8 @@ def send_control(
         op: one of :data:`OPS`.
         request_ids: the requests it is about.
         timeout_s: limit for connecting and for the reply, in seconds.
+        auth: signs the message; by default the process's PD secret
+            (:func:`~fastdeploy.splitwise.pd_auth.set_process_auth`), None sends it unsigned.
         extra: further JSON fields of the message.
 
     Raises:
@@ -57,7 +80,12 @@ def send_control(
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is invalid; allowed: {', '.join(OPS)}")
-    line = json.dumps({"op": op, "request_ids": list(request_ids), **extra}) + "\n"
+    if auth is PROCESS_AUTH:
+        auth = process_auth()
+    message = {"op": op, "request_ids": list(request_ids), **extra}
+    if auth is not None:
+        message = auth.sign(PURPOSE, message)
+    line = json.dumps(message) + "\n"
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(line.encode())
@@ -91,11 +119,6 @@ class _Connection(socketserver.StreamRequestHandler):
             return
 
 
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 class SideChannelServer:
     """Serves control messages on ``host:port`` on a background thread.
 
@@ -105,15 +128,27 @@ class SideChannelServer:
         handler: ``handler(op, message) -> reply fields``; called on the server's threads, so it
             must be thread-safe (the PD roles hand the message to the engine thread). It raises
             ``ValueError`` or ``KeyError`` to answer ``ok: false``.
+        auth: when set, only requests it verifies reach ``handler``; None accepts any.
+        max_connections: connections served at once (more are refused and counted).
 
     Raises:
         OSError: the port cannot be bound (the message names it).
     """
 
-    def __init__(self, host: str, port: int, handler: Handler) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        auth: PDAuth | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self._handler = handler
+        self.auth = auth
         try:
-            self._server = _Server((host, port), _Connection)
+            self._server = CappedTCPServer(
+                (host, port), _Connection, max_connections, "PD side channel"
+            )
         except OSError as e:
             raise OSError(f"cannot listen on the PD side channel {host}:{port}: {e}") from e
         self._server.dispatch = self._dispatch  # type: ignore[attr-defined]
@@ -125,6 +160,11 @@ class SideChannelServer:
     def start(self) -> SideChannelServer:
         self._thread.start()
         return self
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused for being over ``max_connections``."""
+        return self._server.refused
 
     def close(self) -> None:
         """Stop serving and release the port."""
@@ -145,6 +185,14 @@ class SideChannelServer:
         ids = message.get("request_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             return {"ok": False, "error": f"request_ids={ids!r} is invalid; allowed: a list of ids"}
+        if self.auth is not None:
+            try:
+                self.auth.verify(PURPOSE, message)
+            except AuthError as e:
+                n = self.auth.rejected.get(e.reason, 0)
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... of a reason: no log flood
+                    logger.warning("side channel refused %s (%d so far): %s", op, n, e)
+                return {"ok": False, "error": str(e), "reason": e.reason}
         try:
             return {"ok": True, **self._handler(op, message)}
         except (ValueError, KeyError) as e:

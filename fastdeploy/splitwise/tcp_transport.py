@@ -14,6 +14,13 @@ The server reads only what it may: at most one pool's worth of ids per request, 
 block, and (on a prefill node, :attr:`TcpKVTransport.authorize`) only blocks held for a transfer
 a decode node has CLAIMed, so a stray or hostile client cannot read other requests' KV or make
 the server gather gigabytes. NIXL reads registered memory directly and has no such hook.
+
+With a PD secret, the request line is signed like a side-channel message (purpose ``kv-read``,
+:mod:`~fastdeploy.splitwise.pd_auth`) and the server verifies it before it looks at a block id.
+The KV bytes themselves are neither signed nor encrypted. The server serves at most
+``max_connections`` connections at once, gives a client :data:`REQUEST_DEADLINE_S` to send its
+request line, and closes a connection on which a read or write makes no progress for
+:data:`IO_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -28,12 +35,20 @@ from collections.abc import Callable
 
 import torch
 
+from fastdeploy.splitwise.capped_server import MAX_CONNECTIONS, CappedTCPServer
+from fastdeploy.splitwise.pd_auth import AuthError, PDAuth
 from fastdeploy.splitwise.transport import Transfer, block_bytes, start_pull_thread
 
 logger = logging.getLogger(__name__)
 
 #: Longest request line accepted by the server (bytes).
 MAX_LINE_BYTES = 1 << 20
+#: Seconds a client has, from connecting, to send its whole request line.
+REQUEST_DEADLINE_S = 10.0
+#: Seconds one socket read or write on the server may make no progress.
+IO_TIMEOUT_S = 30.0
+#: The ``purpose`` KV reads are signed for (:meth:`PDAuth.sign`).
+PURPOSE = "kv-read"
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
@@ -43,9 +58,24 @@ def _gather(kv_cache: torch.Tensor, block_ids: list[int]) -> bytes:
     return blocks.view(torch.uint8).numpy().tobytes()
 
 
-def _recv_exact(sock: socket.socket, buffer: memoryview) -> None:
+def _until(sock: socket.socket, deadline: float) -> None:
+    """Give the next blocking call on ``sock`` only what is left before ``deadline``
+    (``time.monotonic()``): a per-call timeout alone would let a peer that trickles bytes hold a
+    pull forever.
+
+    Raises:
+        TimeoutError: the deadline has passed.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the pull did not finish within its deadline")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, buffer: memoryview, deadline: float) -> None:
     got = 0
     while got < len(buffer):
+        _until(sock, deadline)
         n = sock.recv_into(buffer[got:])
         if n == 0:
             raise ConnectionError(f"the peer closed the connection after {got} of {len(buffer)} B")
@@ -58,15 +88,26 @@ class TcpKVTransport:
     Args:
         host: address the server binds and advertises (``127.0.0.1`` on one host).
         port: TCP port of the block server (0: a free one).
+        auth: signs this node's reads and verifies its peers'; None: unauthenticated.
+        max_connections: connections the server serves at once (more are refused, counted in
+            :attr:`refused_connections`).
     """
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth: PDAuth | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.host = host
         self._requested_port = port
+        self.auth = auth
+        self.max_connections = max_connections
         self.kv_caches: list[torch.Tensor] = []
-        self._server: socketserver.ThreadingTCPServer | None = None
+        self._server: CappedTCPServer | None = None
         self.port = 0
         #: ``authorize(block_ids) -> bool``: whether a read of these blocks is allowed now (the
         #: prefill role: they belong to claimed pending sends); None allows any valid block.
@@ -83,15 +124,16 @@ class TcpKVTransport:
         self.kv_caches = kv_caches
         transport = self
 
-        class Handler(socketserver.StreamRequestHandler):
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                transport._serve(self.rfile, self.connection)
+                try:
+                    transport._serve(self.request)
+                except OSError:  # a timeout, or the peer reset the connection
+                    pass
 
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Server((self.host, self._requested_port), Handler)
+        self._server = CappedTCPServer(
+            (self.host, self._requested_port), Handler, self.max_connections, "PD KV port"
+        )
         self.port = self._server.server_address[1]
         threading.Thread(
             target=self._server.serve_forever, name="kv-tcp-transport", daemon=True
@@ -101,9 +143,18 @@ class TcpKVTransport:
         """What a peer needs to pull from here (goes into ``kv_transfer_params``)."""
         return {"transport": self.name, "host": self.host, "port": self.port}
 
-    def _serve(self, rfile, conn: socket.socket) -> None:
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused for being over ``max_connections``."""
+        return self._server.refused if self._server is not None else 0
+
+    def _serve(self, conn: socket.socket) -> None:
         try:
-            request = json.loads(rfile.readline(MAX_LINE_BYTES))
+            request = json.loads(_read_request_line(conn))
+            if not isinstance(request, dict):
+                raise ValueError("the request must be a JSON object")
+            if self.auth is not None:
+                self.auth.verify(PURPOSE, request)
             ids = request["block_ids"]
             num_blocks = self.kv_caches[0].shape[0]
             if not isinstance(ids, list) or len(ids) > num_blocks:
@@ -113,6 +164,10 @@ class TcpKVTransport:
             if self.authorize is not None and not self.authorize(ids):
                 raise ValueError("block_ids are not held for a claimed transfer")
         except (ValueError, KeyError, TypeError, RecursionError) as e:
+            if isinstance(e, AuthError):
+                n = self.auth.rejected.get(e.reason, 0)
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... of a reason: no log flood
+                    logger.warning("PD KV port refused a read (%d so far): %s", n, e)
             conn.sendall((json.dumps({"ok": False, "error": str(e)}) + "\n").encode())
             return
         header = {"ok": True, "num_layers": len(self.kv_caches)}
@@ -139,6 +194,8 @@ class TcpKVTransport:
     ) -> Transfer:
         """Pull ``remote_block_ids`` of the peer described by ``remote`` (its
         :meth:`local_metadata`) into ``local_block_ids`` of the registered caches, on a thread.
+        ``timeout_s`` is the whole pull's deadline, not a limit per socket call: a peer that
+        trickles bytes fails it too.
 
         Raises:
             ValueError: the two id lists differ in length, or nothing is registered.
@@ -155,22 +212,29 @@ class TcpKVTransport:
 
     def _pull(self, transfer, remote, remote_ids, local_ids, timeout_s) -> None:
         start = time.monotonic()
+        deadline = start + timeout_s  # for the whole pull, not for each socket call
         error = None
         try:
             with socket.create_connection((remote["host"], remote["port"]), timeout_s) as sock:
                 transfer._cancel_hook = lambda: _shutdown(sock)
                 if transfer._cancelled:
                     raise ConnectionError("cancelled")
-                sock.sendall((json.dumps({"block_ids": remote_ids}) + "\n").encode())
-                header = json.loads(_read_line(sock))
+                request = {"block_ids": remote_ids}
+                if self.auth is not None:
+                    request = self.auth.sign(PURPOSE, request)
+                _until(sock, deadline)
+                sock.sendall((json.dumps(request) + "\n").encode())
+                header = json.loads(_read_line(sock, deadline))
                 if not header.get("ok"):
                     raise ConnectionError(f"the peer refused: {header.get('error')}")
-                self._receive(sock, header, local_ids, transfer)
+                self._receive(sock, header, local_ids, transfer, deadline)
         except (OSError, ValueError, KeyError) as e:
             error = f"{type(e).__name__}: {e}"
         transfer.finish(error, time.monotonic() - start)
 
-    def _receive(self, sock, header: dict, local_ids: list[int], transfer: Transfer) -> None:
+    def _receive(
+        self, sock, header: dict, local_ids: list[int], transfer: Transfer, deadline: float
+    ) -> None:
         local_bytes = block_bytes(self.kv_caches[0])
         if header["num_layers"] != len(self.kv_caches) or header["block_bytes"] != local_bytes:
             raise ValueError(
@@ -181,7 +245,7 @@ class TcpKVTransport:
         index = torch.tensor(local_ids, dtype=torch.long)
         for kv in self.kv_caches:
             staging = torch.empty((n, *kv.shape[1:]), dtype=kv.dtype)
-            _recv_exact(sock, memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+            _recv_exact(sock, memoryview(staging.view(torch.uint8).numpy()).cast("B"), deadline)
             transfer.num_bytes += n * local_bytes
             kv.index_copy_(0, index.to(kv.device), staging.to(kv.device))
         if kv.is_cuda:
@@ -195,10 +259,36 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def _read_line(sock: socket.socket) -> bytes:
-    """One ``\\n``-terminated line, read byte by byte so no frame byte is consumed."""
+def _read_request_line(conn: socket.socket) -> bytes:
+    """The client's request line, which must arrive whole within :data:`REQUEST_DEADLINE_S`
+    (a client trickling bytes cannot hold a thread longer) and within :data:`MAX_LINE_BYTES`.
+
+    Raises:
+        ValueError: too long. OSError: the deadline passed (``TimeoutError``) or the peer left.
+    """
+    deadline = time.monotonic() + REQUEST_DEADLINE_S
+    out = bytearray()
+    while b"\n" not in out:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no request line within {REQUEST_DEADLINE_S:g} s")
+        conn.settimeout(min(left, IO_TIMEOUT_S))
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the client closed the connection before its request")
+        out += chunk
+        if len(out) > MAX_LINE_BYTES:
+            raise ValueError(f"request line longer than {MAX_LINE_BYTES} bytes")
+    conn.settimeout(IO_TIMEOUT_S)  # for the frames: a reader that stops reading is dropped
+    return bytes(out)
+
+
+def _read_line(sock: socket.socket, deadline: float) -> bytes:
+    """One ``\\n``-terminated line, read byte by byte so no frame byte is consumed, before
+    ``deadline``."""
     out = bytearray()
     while not out.endswith(b"\n"):
+        _until(sock, deadline)
         chunk = sock.recv(1)
         if not chunk:
             raise ConnectionError("the peer closed the connection before answering")

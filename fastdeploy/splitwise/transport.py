@@ -101,7 +101,13 @@ class Transfer:
         self._done.set()
 
 
-def make_transport(protocol: str, host: str = "127.0.0.1", name: str = "fastdeploy"):
+def make_transport(
+    protocol: str,
+    host: str = "127.0.0.1",
+    name: str = "fastdeploy",
+    auth=None,
+    max_connections: int | None = None,
+):
     """The KV transport for ``--cache-transfer-protocol``: ``nixl``, ``tcp``, or ``auto`` (NIXL
     when ``import nixl`` works, else tcp; the choice is logged).
 
@@ -109,6 +115,9 @@ def make_transport(protocol: str, host: str = "127.0.0.1", name: str = "fastdepl
         protocol: one of :data:`PROTOCOLS`.
         host: the address this node's transport advertises.
         name: a name unique to this engine (the NIXL agent name).
+        auth: the node's :class:`~fastdeploy.splitwise.pd_auth.PDAuth` (tcp signs and verifies
+            every read with it; NIXL's reads are one-sided RDMA/UCX and cannot be signed).
+        max_connections: the tcp server's connection cap (None: its default).
 
     Raises:
         ValueError: an unknown protocol, or ``nixl`` asked for explicitly and not installed.
@@ -130,6 +139,7 @@ def make_transport(protocol: str, host: str = "127.0.0.1", name: str = "fastdepl
     else:
         from fastdeploy.splitwise.tcp_transport import TcpKVTransport
 
-        chosen = TcpKVTransport(host)
+        extra = {} if max_connections is None else {"max_connections": max_connections}
+        chosen = TcpKVTransport(host, auth=auth, **extra)
     logger.info("KV transport: %s (cache_transfer_protocol=%s)", chosen.name, protocol)
     return chosen

@@ -108,3 +108,36 @@ def dying_stream_server():
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     return app
+
+
+def stalling_server(stall_s: float = 30.0):
+    """A server that sends its headers (200) and then nothing for ``stall_s`` seconds, streamed
+    or not (a backend that froze mid-answer). ``app.state.release`` ends the stall early."""
+    import asyncio
+
+    app = FastAPI()
+    app.state.release = None
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/v1/completions")
+    async def answer(raw: HTTPRequest):
+        body = await raw.json()
+        release = app.state.release = asyncio.Event()
+
+        async def chunks():
+            if body.get("stream"):
+                yield b'data: {"text": "partial"}\n\n'
+            else:
+                yield b'{"id": "x", '  # the start of a JSON answer, never finished
+            try:
+                await asyncio.wait_for(release.wait(), stall_s)
+            except asyncio.TimeoutError:
+                pass
+
+        media = "text/event-stream" if body.get("stream") else "application/json"
+        return StreamingResponse(chunks(), media_type=media)
+
+    return app

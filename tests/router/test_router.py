@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_utils import dying_stream_server, fake_server, free_port, serve
+from router_utils import dying_stream_server, fake_server, free_port, serve, stalling_server
 
 from fastdeploy.router.app import build_router_app
 from fastdeploy.router.config import RouterConfig
@@ -270,6 +270,28 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_event():
         assert raw.startswith(b'data: {"text": "partial"}')
         assert b"failed mid-stream" in raw and raw.endswith(b"data: [DONE]\n\n")
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_backend_stalling_after_its_headers_is_never_a_200_nor_ok():
+    """The backend sends 200 and its headers, then nothing: with ``decode_timeout_s`` 0.5 the
+    router answers a non-streamed request 504 with an error body, ends a stream with an error
+    event and ``[DONE]``, and counts both as errors, none as ok."""
+    with serve(stalling_server()) as ub, router(backend=[ub], decode_timeout_s=0.5) as url:
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert r.status_code == 504, (r.status_code, r.text)
+        message = r.json()["error"]["message"]
+        assert "backend" in message and "failed mid-answer: ReadTimeout" in message
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=10
+        ) as r:
+            assert r.status_code == 200  # its status went out with the first chunk
+            raw = b"".join(r.iter_raw())
+        assert raw.startswith(b'data: {"text": "partial"}')
+        assert b"stalled mid-stream: ReadTimeout" in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert metric(url, "fastdeploy:router_requests_total", outcome="error") == 2
+        assert metric(url, "fastdeploy:router_requests_total", outcome="ok") == 0
 
 
 def test_a_busy_port_is_one_error_line_and_exit_2():

@@ -47,6 +47,7 @@ from fastdeploy.entrypoints.openai.protocol import (  # noqa: E402
     ChatCompletionRequest,
     CompletionRequest,
 )
+from fastdeploy.splitwise.pd_auth import PDAuth  # noqa: E402
 
 
 def vllm_router_command() -> list[str] | None:
@@ -90,7 +91,19 @@ def pd_args(prefill: str, decode: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- what reaches a backend (fast)
-KV = {"remote_engine_id": "p0", "remote_request_id": "p-1", "remote_block_ids": [3, 4]}
+#: A prefill node's KV reference, signed with a PD secret (floats and nesting included): the
+#: decode node must be able to verify it after vllm-router passed it along.
+SECRET = b"pd-secret-for-vllm-router-tests!"
+KV = PDAuth(SECRET).sign_reference(
+    {
+        "remote_engine_id": "p0",
+        "remote_request_id": "p-1",
+        "remote_block_ids": [3, 4],
+        "lease_s": 30.0,
+        "first_token_logprobs": [{"token_id": 7, "logprob": -0.1234567891, "top_logprobs": []}],
+        "layout": {"model": "m\u00e9", "dtype": "float32"},
+    }
+)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -134,6 +147,7 @@ def test_what_vllm_router_sends_validates(tmp_path, path, stream):
     assert p_headers["x-request-id"].startswith("___prefill_addr_127.0.0.1:")
     # The decode leg: the client's body and the prefill node's answer, untouched.
     assert d_body["max_tokens"] == 8 and d_body["kv_transfer_params"] == KV
+    PDAuth(SECRET).verify_reference(d_body["kv_transfer_params"])  # the signature survived
     assert {k: v for k, v in d_body.items() if k != "kv_transfer_params"} == sent
     print(f"\nprefill leg of {path}: {json.dumps(p_body)}")
 

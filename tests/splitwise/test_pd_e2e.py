@@ -150,6 +150,27 @@ def test_bad_kv_transfer_params_are_400(pd_cluster):
         timeout=TIMEOUT,
     )
     assert r.status_code == 400 and "num_layers" in r.text
+    # The refusal released the prefill node's blocks at once (the lease is 30 s).
+    wait_until(lambda: assert_all_released(prefill.url, decode.url), 5)
+    other = completion_body(10, False) | {"prompt": completion_prompt(11)[1:]}
+    r = httpx.post(
+        decode.url + "/v1/completions", json=other | {"kv_transfer_params": params}, timeout=TIMEOUT
+    )
+    assert r.status_code == 400 and "belongs to another prompt" in r.text
+    leg = httpx.post(prefill.url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+    params = leg["kv_transfer_params"]
+    # A client that points the decode node elsewhere (SSRF, prefix-cache poisoning): refused
+    # before any connection; without a PD secret or --pd-allowed-prefill, loopback peers only.
+    redirected = params | {"remote_host": "169.254.169.254", "remote_port": 80}
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json=completion_body(10, False) | {"kv_transfer_params": redirected},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    assert "remote_host='169.254.169.254' is not allowed" in r.json()["error"]["message"]
+    for node in (prefill, decode):  # no PD secret here: each said so at start
+        assert "PD is unauthenticated" in node.log_tail(1_000_000)
     r = httpx.post(  # the real params: the decode leg runs and releases the blocks
         decode.url + "/v1/completions",
         json=completion_body(10, False) | {"kv_transfer_params": params},

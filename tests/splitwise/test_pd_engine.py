@@ -6,6 +6,7 @@ after failures and aborts too."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -156,15 +157,41 @@ def test_layout_mismatch_is_refused(prefill, decode):
     p_outs = run(prefill, "p-layout", prompt, GREEDY, {"do_remote_decode": True})
     kv = dict(p_outs[-1].kv_transfer_params)
     kv["layout"] = {**kv["layout"], "block_size": 32}
+    before = dict(prefill.get_stats()["pd"])
     with pytest.raises(ValueError, match="block_size: prefill 32 != decode 16"):
         decode.add_request("d-layout", prompt, GREEDY, kv)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         decode.add_request("d-len", prompt[:-1], GREEDY, p_outs[-1].kv_transfer_params)
     with pytest.raises(ValueError, match="do_remote_decode=true is invalid on a decode node"):
         decode.add_request("d-leg", prompt, GREEDY, {"do_remote_decode": True})
-    settle(prefill, timeout_s=10)  # lease expiry frees it (pd_lease_s=5)
-    assert prefill.get_stats()["pd"]["expired_total"] >= 1
+    settle(prefill, timeout_s=3)  # the refused leg's ABORT frees it, before the 5 s lease
+    after = prefill.get_stats()["pd"]
+    assert after["aborts_total"] == before["aborts_total"] + 1
+    assert after["expired_total"] == before["expired_total"]
+    assert after["pending_sends"] == 0
     assert_all_free(prefill)
+
+
+def test_a_reference_to_another_prompt_of_the_same_length_is_refused(prefill, decode):
+    """A prefill answer for prompt A sent with prompt B of the same length: refused before a
+    block is read or cached, naming prompt_hash, and the prefill node frees A's blocks now (not
+    at lease expiry). Then A's own leg still works."""
+    a, b = prompts(2, 50, 51, seed=9)
+    assert len(a) == len(b) and a != b
+    p_outs = run(prefill, "p-other", a, GREEDY, {"do_remote_decode": True})
+    kv = p_outs[-1].kv_transfer_params
+    with pytest.raises(ValueError, match="prompt_hash=.* belongs to another prompt"):
+        decode.add_request("d-other", b, GREEDY, kv)
+    assert decode.scheduler.get_request("d-other") is None
+    t0 = time.monotonic()
+    settle(prefill)  # the ABORT of the refused leg arrives at once
+    assert time.monotonic() - t0 < 3  # the lease is 5 s
+    stats = prefill.get_stats()["pd"]
+    assert stats["aborts_total"] >= 1 and stats["pending_sends"] == 0
+    assert_all_free(prefill)
+    missing = {k: v for k, v in kv.items() if k != "prompt_hash"}
+    with pytest.raises(ValueError, match="missing or mistypes prompt_hash"):
+        decode.add_request("d-nohash", a, GREEDY, missing)
 
 
 def dead_peer_params(prefill, prompt):
@@ -238,7 +265,8 @@ def test_min_tokens_on_either_leg_gives_mixed_output(mixed, prefill, decode):
 def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
     """A client-edited decode leg never kills the engine nor reads other blocks: a token id
     outside the vocabulary or malformed logprobs are refused; block ids other than those the
-    prefill node holds, or transport metadata of another kind, fail the pull (nothing cached)."""
+    prefill node holds fail the pull (nothing cached); transport metadata pointing elsewhere is
+    ignored: the decode node reads from where the prefill node's CLAIM answer says."""
     prompt = prompts(1, 40, 41, seed=8)[0]
     p_outs = run(prefill, "p-forge", prompt, GREEDY, {"do_remote_decode": True})
     kv = p_outs[-1].kv_transfer_params
@@ -247,13 +275,29 @@ def test_forged_decode_legs_fail_that_request_only(mixed, prefill, decode):
             decode.add_request("d-tok", prompt, GREEDY, kv | {"first_token_id": bad})
     with pytest.raises(ValueError, match="first_token_logprobs"):
         decode.add_request("d-lp", prompt, GREEDY, kv | {"first_token_logprobs": [1, 2, 3]})
+    settle(prefill)  # each refusal sent ABORT: the blocks are free again
+    assert_all_free(prefill)
+    p_outs = run(prefill, "p-forge1", prompt, GREEDY, {"do_remote_decode": True})
+    kv = p_outs[-1].kv_transfer_params
     forged = kv | {"remote_block_ids": [b + 1 for b in kv["remote_block_ids"]]}
     outs = run(decode, "d-forged", prompt, GREEDY, forged)
     assert isinstance(outs[-1].error, KVTransferError) and "other blocks" in str(outs[-1].error)
-    p2 = run(prefill, "p-forge2", prompt, GREEDY, {"do_remote_decode": True})
-    kv2 = p2[-1].kv_transfer_params | {"transport": {"transport": "nixl"}}
-    outs = run(decode, "d-transport", prompt, GREEDY, kv2)
-    assert isinstance(outs[-1].error, KVTransferError) and "transfer" in str(outs[-1].error)
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.settimeout(0.5)
+    redirects = ({"transport": "nixl"}, {"transport": "tcp", "host": "127.0.0.1", "port": 0})
+    try:
+        redirects[1]["port"] = trap.getsockname()[1]
+        for i, (meta, fresh) in enumerate(zip(redirects, prompts(2, 40, 41, seed=9))):
+            p2 = run(prefill, f"p-redirect{i}", fresh, GREEDY, {"do_remote_decode": True})
+            before = decode.pd.counts["transfer_bytes"]
+            kv2 = p2[-1].kv_transfer_params | {"transport": meta}
+            outs = run(decode, f"d-redirect{i}", fresh, GREEDY, kv2)
+            assert outs[-1].error is None
+            assert decode.pd.counts["transfer_bytes"] > before  # pulled, from the prefill node
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody connected to the address the client wrote in
+    finally:
+        trap.close()
     settle(prefill)
     settle(decode)
     assert_all_free(prefill)  # the failed pulls sent ABORT: nothing waits for the lease

@@ -99,6 +99,39 @@ def test_prefill_node_killed_after_it_answered(tmp_path):
         assert_all_released(recompute.url)
 
 
+def test_a_frozen_prefill_node_fails_the_decode_leg_at_the_transfer_deadline(tmp_path):
+    """The prefill node answered, then froze (SIGSTOP: alive, its ports accept, nothing
+    answers). With --pd-transfer-timeout 2 the decode leg gets its 502 at about 2 s (before:
+    5 s, the side channel's own limit, whatever the deadline); once the node resumes it frees
+    the blocks."""
+    deadline = ["--pd-transfer-timeout", "2"]
+    with Cluster(tmp_path) as cluster:
+        prefill = cluster.start_server(
+            ["--splitwise-role", "prefill", *deadline, *TCP], name="prefill"
+        )
+        decode = cluster.start_server(
+            ["--splitwise-role", "decode", *deadline, *TCP], name="decode"
+        )
+        cluster.wait_healthy(prefill, decode)
+        body = completion_body(300, False)
+        params = prefill_leg(prefill.url, body)
+        os.killpg(prefill.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(
+                decode.url + "/v1/completions", json=body | {"kv_transfer_params": params},
+                timeout=TIMEOUT,
+            )  # fmt: skip
+            seconds = time.monotonic() - t0
+            print(f"the decode leg failed after {seconds:.2f} s (deadline 2 s)")
+        finally:
+            os.killpg(prefill.pid, signal.SIGCONT)
+        assert r.status_code == 502, r.text
+        assert "PD transfer failed" in r.json()["error"]["message"]
+        assert 1.9 <= seconds <= 2 + 1.0, seconds
+        wait_until(lambda: assert_all_released(decode.url, prefill.url), 10)
+
+
 def test_decode_pool_too_small_waits_then_completes_or_503(tmp_path):
     # 9 blocks of 64 tokens: 8 usable = 512 tokens; a local request of 300 + 200 tokens holds
     # all 8 while the PD request waits for 2.
@@ -149,3 +182,61 @@ def test_decode_pool_too_small_waits_then_completes_or_503(tmp_path):
 
 def _assert(ok: bool) -> None:
     assert ok
+
+
+def test_pd_with_a_secret_end_to_end(tmp_path):
+    """Prefill node, decode node and router share ``--pd-secret-file``: honest traffic works; an
+    unsigned reference is a 400 and a forged HEARTBEAT is refused and counted; when the decode
+    node refuses a leg, the router's signed ABORT frees the prefill blocks at once."""
+    from fastdeploy.splitwise.side_channel import SideChannelError, send_control
+
+    secret = tmp_path / "pd.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    auth = ["--pd-secret-file", str(secret)]
+    with Cluster(tmp_path) as cluster:
+        prefill = cluster.start_server(["--splitwise-role", "prefill", *auth, *TCP], name="p")
+        decode = cluster.start_server(["--splitwise-role", "decode", *auth, *TCP], name="d")
+        cluster.wait_healthy(prefill, decode)
+        router = cluster.start_router(
+            ["--prefill", prefill.url, "--decode", decode.url, *auth], name="router"
+        )
+        cluster.wait_healthy(router)
+        assert "PD is unauthenticated" not in prefill.log_tail(100_000)
+        body = completion_body(100, False)
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 12
+        params = prefill_leg(prefill.url, body)
+        unsigned = {k: v for k, v in params.items() if k != "auth"}
+        r = httpx.post(
+            decode.url + "/v1/completions",
+            json=body | {"kv_transfer_params": unsigned},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 400 and "(unsigned)" in r.json()["error"]["message"]
+        with pytest.raises(SideChannelError, match=r"\(unsigned\)"):
+            send_control(
+                params["remote_host"],
+                params["remote_port"],
+                "HEARTBEAT",
+                [params["remote_request_id"]],
+                auth=None,
+            )
+        unsigned_total = 'fastdeploy:pd_auth_rejected_total{reason="unsigned"}'
+        # Counted at the node's next step (it steps while it holds blocks for a decode node).
+        wait_until(lambda: _assert(metrics(prefill.url).get(unsigned_total) == 1), 10)
+        r = httpx.post(  # the real reference still works
+            decode.url + "/v1/completions",
+            json=body | {"kv_transfer_params": params},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 200, r.text
+        # The decode node refuses this leg (min_tokens > max_tokens; the prefill leg drops
+        # min_tokens): the router's signed ABORT frees the prefill node's blocks now.
+        bad = body | {"min_tokens": 50}
+        r = httpx.post(router.url + "/v1/completions", json=bad, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        wait_until(lambda: assert_all_released(prefill.url, decode.url), 5)
+        m = metrics(prefill.url)
+        assert m['fastdeploy:pd_pending_sends_released_total{reason="abort"}'] == 1
+        assert m[unsigned_total] == 1

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from fastdeploy.splitwise.pending_sends import PendingSends
-from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg, kv_layout
+from fastdeploy.splitwise.protocol import (
+    RemotePrefill,
+    is_prefill_leg,
+    kv_layout,
+    prompt_fingerprint,
+)
 
 LAYOUT = kv_layout("m", "bfloat16", 30, 3, 64, 64)
 
@@ -40,7 +45,7 @@ def test_an_expired_entry_cannot_be_claimed():
 def params(**changes) -> dict:
     base = RemotePrefill(
         "p0", "req-1", "127.0.0.1", 5601, [4, 5], 100, 42, 30.0, {"transport": "tcp"}, LAYOUT
-    ).to_dict()
+    ).to_dict() | {"prompt_hash": prompt_fingerprint(range(100))}
     base.update(changes)
     return base
 
@@ -54,6 +59,10 @@ def test_remote_prefill_round_trips_and_refuses_what_it_cannot_use():
         RemotePrefill.from_params(params(remote_port="5601", first_token_id=None), LAYOUT)
     with pytest.raises(ValueError, match="block ids > 0"):
         RemotePrefill.from_params(params(remote_block_ids=[0, 1]), LAYOUT)
+    with pytest.raises(ValueError, match="missing or mistypes prompt_hash"):
+        RemotePrefill.from_params(params(prompt_hash=None), LAYOUT)
+    with pytest.raises(ValueError, match="prompt_hash='md5:00' is invalid; allowed: 'sha256:'"):
+        RemotePrefill.from_params(params(prompt_hash="md5:00"), LAYOUT)
     other = kv_layout("m", "float16", 30, 3, 64, 16)
     with pytest.raises(ValueError) as err:
         RemotePrefill.from_params(params(), other)
@@ -75,3 +84,29 @@ def test_only_claimed_live_entries_are_readable():
     assert not control.readable([1, 3])  # b is unclaimed
     now[0] = 6.0  # past a's transfer deadline (0 + 5)
     assert not control.readable([1])
+
+
+def test_prompt_fingerprint_is_sha256_of_little_endian_int64_ids():
+    import hashlib
+    import struct
+
+    ids = [0, 1, 49151, 2**40]
+    want = hashlib.sha256(struct.pack("<4q", *ids)).hexdigest()
+    assert prompt_fingerprint(ids) == "sha256:" + want
+    assert prompt_fingerprint([1, 2, 3]) != prompt_fingerprint([1, 2, 4])
+    assert prompt_fingerprint([1, 2]) != prompt_fingerprint([2, 1])
+
+
+def test_claim_answers_the_prompt_fingerprint_and_a_refusal_abort_spares_claimed_entries():
+    from fastdeploy.splitwise.prefill_control import PrefillControl
+
+    control = PrefillControl(lease_s=10, transfer_s=5, clock=lambda: 0.0)
+    control.hold("a", [1, 2], "sha256:" + "a" * 64)
+    control.hold("b", [3], "sha256:" + "b" * 64)
+    reply = control.handle("CLAIM", {"request_ids": ["a"]})
+    assert reply == {"block_ids": {"a": [1, 2]}, "prompt_hashes": {"a": "sha256:" + "a" * 64}}
+    # A refused decode leg's ABORT frees only entries no decode node has claimed.
+    control.handle("ABORT", {"request_ids": ["a", "b"], "unclaimed_only": True})
+    assert control.take_freed() == [("b", [3], "abort")]
+    control.handle("ABORT", {"request_ids": ["a"]})  # the claimer's own ABORT frees it
+    assert control.take_freed() == [("a", [1, 2], "abort")]

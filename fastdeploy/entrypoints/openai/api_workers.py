@@ -100,7 +100,7 @@ class APIServerWorkers:
             previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             main = threading.current_thread() is threading.main_thread()
             if main:  # signal.signal works on the main thread only
-                handler = signal.signal(signal.SIGINT, lambda signum, _f: interrupted.append(signum))
+                handler = signal.signal(signal.SIGINT, lambda n, _f: interrupted.append(n))
             try:
                 self._start(ctx, args, config, frontends, sock, count)
             finally:

@@ -16,6 +16,9 @@ unknown model or route, 429 with ``Retry-After`` when ``--max-concurrency`` requ
 handlers below; refusals made before the app runs are counted where they are made: the request
 limits' (:mod:`~fastdeploy.entrypoints.openai.limits`: 431, 413, 408) and a missing or wrong
 ``--api-key``'s (:mod:`~fastdeploy.entrypoints.openai.auth`: 401).
+On a PD decode node a refused decode leg also releases the prefill node's blocks there
+(:func:`~fastdeploy.splitwise.roles.release_refused_leg`), if the leg names a prefill node this
+node trusts.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.splitwise.roles import release_refused_leg
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -99,10 +103,22 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_name, stop_limits)
     completion = OpenAIServingCompletion(engine, served_model_name, stop_limits)
 
-    def refuse(error: APIError) -> JSONResponse:
+    def refuse(error: APIError, body: Any = None) -> JSONResponse:
         if error.reason is not None:
             engine.metrics.observe_rejected(error.reason)
+            if isinstance(body, dict) and engine.splitwise_role == "decode":
+                # A refused decode leg: nobody will pull the prefill node's blocks for it.
+                release_refused_leg(body.get("kv_transfer_params"), engine.pd_trust)
         return error.response()
+
+    async def refusing(create: Callable[[], Awaitable[Response]], req: Any) -> Response:
+        """Run a request's handler; a refusal it raises (a 4xx or 503 before the engine took
+        the request, or the engine's own error for it: ABORT is idempotent) is answered here,
+        with the request's ``kv_transfer_params`` at hand."""
+        try:
+            return await create()
+        except APIError as e:
+            return refuse(e, {"kv_transfer_params": getattr(req, "kv_transfer_params", None)})
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -120,7 +136,7 @@ def build_app(
                     f"a JSON object body)"
                 )
             )
-        return refuse(validation_error(list(exc.errors())))
+        return refuse(validation_error(list(exc.errors())), exc.body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
@@ -176,11 +192,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await chat.create(req, raw_request)
+        return await refusing(lambda: chat.create(req, raw_request), req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: HTTPRequest) -> Response:
-        return await completion.create(req, raw_request)
+        return await refusing(lambda: completion.create(req, raw_request), req)
 
     return app
 
