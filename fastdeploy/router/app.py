@@ -135,7 +135,12 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
     async def lifespan(app: FastAPI):
         own = state["client"] is None
         if own:
-            state["client"] = httpx.AsyncClient(timeout=None)
+            # No cap on connections to the backends: each carries one client request the router
+            # already holds a connection for, so the backends' own limits (--max-concurrency,
+            # 429) decide. httpx's default cap (100) queued the rest inside the router, for up
+            # to the leg timeout, while the backends had room or would have answered 429.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            state["client"] = httpx.AsyncClient(timeout=None, limits=limits)
         if config.backend_api_key is not None:
             state["client"].headers["Authorization"] = f"Bearer {config.backend_api_key}"
         poller = asyncio.create_task(

@@ -333,3 +333,44 @@ def test_fastdeploy_router_subcommand():
     )
     assert out.returncode == 2
     assert "at least one prefill URL and one decode URL" in out.stderr.strip().splitlines()[-1]
+
+
+def test_more_requests_in_flight_than_httpx_pools_by_default_all_reach_the_backend():
+    """httpx caps a client at 100 connections by default; the router's client used to, so the
+    101st concurrent request waited inside the router (up to the leg timeout) instead of
+    reaching a backend with room. This backend answers only once 150 requests are in at once."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    n = 150
+    backend = FastAPI()
+    state = {"in": 0, "peak": 0}
+
+    @backend.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @backend.post("/v1/completions")
+    async def completions():
+        state["in"] += 1
+        state["peak"] = max(state["peak"], state["in"])
+        for _ in range(200):  # 10 s at most
+            if state["peak"] >= n:
+                break
+            await asyncio.sleep(0.05)
+        state["in"] -= 1
+        return JSONResponse({"choices": [{"text": "ok"}], "peak": state["peak"]})
+
+    async def burst(url: str) -> list[int]:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            answers = await asyncio.gather(
+                *(client.post(url + "/v1/completions", json=BODY) for _ in range(n))
+            )
+        return [a.json()["peak"] for a in answers]
+
+    with serve(backend) as ub, router(backend=[ub]) as url:
+        peaks = asyncio.run(burst(url))
+    assert min(peaks) == n, f"at most {max(peaks)} requests reached the backend together"
