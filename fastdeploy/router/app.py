@@ -60,18 +60,35 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class LegError(Exception):
-    """A leg failed before the backend answered: answer the client with ``status``."""
+    """A leg failed before the backend answered: answer the client with ``status`` (and the
+    backend's ``Retry-After``, when it sent one)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
-def error_response(status: int, message: str, request_id: str) -> JSONResponse:
-    """An OpenAI-style error body, with the request id header."""
+#: Backend response headers the router passes on to its client: a 429's or 503's
+#: ``Retry-After`` tells the client when to come back (OpenAI clients honour it).
+PASSED_HEADERS = ("retry-after",)
+
+
+def passed_headers(response: httpx.Response) -> dict[str, str]:
+    """The :data:`PASSED_HEADERS` a backend's ``response`` carries."""
+    return {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
+
+
+def error_response(
+    status: int, message: str, request_id: str, retry_after: str | None = None
+) -> JSONResponse:
+    """An OpenAI-style error body, with the request id header (and ``Retry-After``)."""
     kind = "service_unavailable" if status == 503 else "router_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status, headers={REQUEST_ID: request_id})
+    headers = {REQUEST_ID: request_id}
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class RouterMetrics:
@@ -212,7 +229,7 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
             return await router.forward(pools["backend"], path, body, "backend")
         except LegError as e:
             metrics.requests.labels("error").inc()
-            return error_response(e.status, str(e), request_id)
+            return error_response(e.status, str(e), request_id, e.retry_after)
 
     @app.post("/v1/chat/completions")
     async def chat(raw: HTTPRequest) -> Response:
@@ -289,7 +306,7 @@ class _Legs:
             raise LegError(status, f"{leg} {endpoint.url}: {type(e).__name__}: {e}") from e
         if response.status_code >= 400 and on_fail is not None:
             await on_fail()  # the backend refused the leg: nothing will consume what it needed
-        headers = {REQUEST_ID: self.request_id}
+        headers = {REQUEST_ID: self.request_id, **passed_headers(response)}
         media_type = response.headers.get("content-type")
         if not (media_type or "").startswith("text/event-stream"):
             # A JSON answer is read whole before the client gets a status: a backend that sent
@@ -397,7 +414,11 @@ class _Legs:
                 last = LegError(503, f"prefill {endpoint.url} answered 503: {content[:500]!r}")
                 continue
             if response.status_code != 200:
-                raise LegError(response.status_code, _error_message(content, endpoint.url))
+                raise LegError(
+                    response.status_code,
+                    _error_message(content, endpoint.url),
+                    response.headers.get("retry-after"),
+                )
             try:
                 params = httpx.Response(200, content=content).json().get("kv_transfer_params")
             except ValueError:

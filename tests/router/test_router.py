@@ -374,3 +374,30 @@ def test_more_requests_in_flight_than_httpx_pools_by_default_all_reach_the_backe
     with serve(backend) as ub, router(backend=[ub]) as url:
         peaks = asyncio.run(burst(url))
     assert min(peaks) == n, f"at most {max(peaks)} requests reached the backend together"
+
+
+def test_a_backends_429_reaches_the_client_with_its_retry_after():
+    """A server at its ``--max-concurrency`` answers 429 with ``Retry-After``; the router used
+    to drop the header, so clients that back off by it (OpenAI's) could not. Plain mode, and
+    the prefill leg of PD mode."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    busy = FastAPI()
+
+    @busy.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @busy.post("/v1/completions")
+    async def completions():
+        body = {"error": {"message": "at its limit", "type": "rate_limit_error"}}
+        return JSONResponse(body, status_code=429, headers={"Retry-After": "3"})
+
+    decode = fake_server("decode")
+    with serve(busy) as ub, serve(decode) as ud:
+        for config in ({"backend": [ub]}, {"prefill": [ub], "decode": [ud]}):
+            with router(**config) as url:
+                r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+                assert (r.status_code, r.headers.get("retry-after")) == (429, "3"), config
+    assert decode.state.seen == []  # the decode leg never ran
