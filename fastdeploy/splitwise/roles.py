@@ -34,7 +34,7 @@ from fastdeploy.splitwise.side_channel import (
     SideChannelServer,
     send_control,
 )
-from fastdeploy.splitwise.transport import make_transport
+from fastdeploy.splitwise.transport_select import make_transport
 
 logger = logging.getLogger(__name__)
 

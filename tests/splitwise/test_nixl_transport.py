@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from fastdeploy.splitwise.transport import make_transport
+from fastdeploy.splitwise.transport_select import make_transport
 
 SHAPE = (12, 2, 4, 2, 8)
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
