@@ -1,5 +1,5 @@
 """What every KV transport shares: the :class:`Transfer` handle the engine polls, block runs, and
-the choice of a transport (``--cache-transfer-protocol``).
+the protocol names (the choice itself is in :mod:`fastdeploy.splitwise.transport_select`).
 
 A transport has one interface (``docs/pd-disaggregation.md``, shared docs): ``register(kv_caches)``
 once, ``local_metadata()`` for ``kv_transfer_params``, ``start_pull(...) -> Transfer`` on the decode
@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
 
 PROTOCOLS = ("auto", "nixl", "tcp")
 
