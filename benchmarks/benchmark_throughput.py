@@ -6,6 +6,10 @@ One command, fixed seed, a warm-up, one text table naming device, model and work
 
 ``--json FILE`` also writes the numbers (``step_speed_report.py`` reads it as the offline rate).
 
+Progress goes to stderr while it runs (a CPU run takes minutes): a line before the model loads and
+before the warm-up, then a tqdm bar of finished requests over the timed run; ``--disable-tqdm``
+(vLLM's flag) leaves the bar out. The table goes to stdout.
+
 Lengths are drawn uniformly from ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; prompts are
 random token ids; ``ignore_eos`` makes every request produce exactly its output length.
 """
@@ -16,6 +20,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 
 import torch
@@ -30,6 +35,11 @@ def device_name() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def progress(line: str) -> None:
+    """One progress line on stderr, at once (stdout holds only the table)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -38,11 +48,15 @@ def main() -> None:
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--disable-tqdm", action="store_true", help="no progress bar over the timed run"
+    )
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
     engine_args = EngineArgs.from_cli_args(args)
 
     rng = random.Random(args.bench_seed)
+    progress(f"loading {engine_args.model or 'the default model'} on {device_name()} ...")
     llm = LLM(**{k: v for k, v in vars(engine_args).items()})
     vocab = llm.engine.vocab_size
 
@@ -57,11 +71,15 @@ def main() -> None:
         SamplingParams(temperature=0, max_tokens=length(args.output_len), ignore_eos=True)
         for _ in prompts
     ]
-    llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
+    warm = min(4, len(prompts))
+    progress(f"warm-up: {warm} requests ...")
+    llm.generate(prompts[:warm], params[:warm], use_tqdm=False)
+    progress(f"timed run: {len(prompts)} requests")
 
     before = dict(llm.engine.get_stats()["steps_by_mode"])
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    # tqdm redraws at most every 0.1 s and only when a request finishes: no cost per step.
+    outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)

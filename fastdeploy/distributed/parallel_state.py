@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastdeploy.config import check
+from fastdeploy.platforms import get_platform
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
@@ -108,7 +109,7 @@ def init_tp_group(
     )
     check(0 <= rank < world_size, "rank", rank, f"0..{world_size - 1}")
     check(device_type in ("cuda", "cpu"), "device", device_type, "cuda or cpu")
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = get_platform(device_type).collective_backend
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False

@@ -17,17 +17,20 @@ class Platform:
         default_attention_backend: the backend used when none is named.
         default_dtype: activation dtype for ``dtype="auto"`` (float32 on CPU, where it is also the
             numerical reference; bfloat16 on CUDA).
+        collective_backend: the ``torch.distributed`` backend of tensor collectives across
+            tensor-parallel ranks (``nccl`` on CUDA, ``gloo`` on CPU).
     """
 
     name: str
     can_capture_graphs: bool
     default_attention_backend: str
     default_dtype: torch.dtype
+    collective_backend: str
 
 
 _PLATFORMS = {
-    "cuda": Platform("cuda", True, "flashinfer", torch.bfloat16),
-    "cpu": Platform("cpu", False, "torch_native", torch.float32),
+    "cuda": Platform("cuda", True, "flashinfer", torch.bfloat16, "nccl"),
+    "cpu": Platform("cpu", False, "torch_native", torch.float32, "gloo"),
 }
 
 

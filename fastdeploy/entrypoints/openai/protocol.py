@@ -181,7 +181,81 @@ class TextPart(StrictModel):
     text: str
 
 
+#: Content part types of OpenAI's chat API that this server knows but cannot serve (it runs
+#: text-only models), ``{part type: what is refused}``; refused by :func:`check_chat_messages`.
+UNSUPPORTED_PART_TYPES: dict[str, str] = {
+    "image_url": "images are",
+    "input_image": "images are",
+    "input_audio": "audio is",
+    "file": "files are",
+    "refusal": "refusal parts are",
+}
+
+#: Content part types a chat message may hold.
+ALLOWED_PART_TYPES: tuple[str, ...] = ("text",)
+
+#: Roles whose messages must carry ``content`` (OpenAI's rule: only an assistant message may
+#: leave it out, where it carries tool calls instead).
+CONTENT_REQUIRED_ROLES: tuple[str, ...] = ("system", "developer", "user")
+
+
+def check_chat_messages(messages: Any) -> None:
+    """Refuse chat messages that OpenAI refuses, or that this server cannot serve, with a
+    message naming the message index (and the part's), before pydantic's own type checks
+    (whose error for a part that fits no member of the content union lists every member).
+
+    Shapes it does not judge (not a list, a message that is not an object, an unknown role, a
+    content of a wrong type) are left to pydantic, which names the field.
+
+    Args:
+        messages: the request's raw ``messages`` value (decoded JSON).
+
+    Raises:
+        ValueError: a ``system``, ``developer`` or ``user`` message without ``content`` (or
+            with ``content: null``); a content part of a known type this server cannot serve
+            (``image_url``, ``input_audio``, ...: the message says which kind of input is not
+            supported); a part without a ``type`` or of an unknown type (the message names the
+            allowed types).
+    """
+    if not isinstance(messages, list):
+        return
+    allowed = ", ".join(ALLOWED_PART_TYPES)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        content = message.get("content")
+        if role in CONTENT_REQUIRED_ROLES and content is None:
+            raise ValueError(
+                f"messages[{i}].content is required for a {role} message (only an assistant "
+                "message may leave it out); allowed: a string or a list of text parts"
+            )
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type")
+            if kind in ALLOWED_PART_TYPES:
+                continue
+            if kind in UNSUPPORTED_PART_TYPES:
+                raise ValueError(
+                    f"{where} is a part of type {kind!r}: {UNSUPPORTED_PART_TYPES[kind]} not "
+                    f"supported (this server runs text-only models); allowed part types: {allowed}"
+                )
+            if kind is None:
+                raise ValueError(f"{where} has no 'type'; allowed part types: {allowed}")
+            raise ValueError(
+                f"{where} has the unknown part type {json.dumps(kind)}; allowed part types: "
+                f"{allowed}"
+            )
+
+
 class ChatMessage(StrictModel):
+    """One chat message. ``content`` may be left out (or null) only by an ``assistant``
+    message, as in OpenAI's API; :func:`check_chat_messages` enforces it at the request."""
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -218,6 +292,12 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _openai_message_rules(cls, v: Any) -> Any:
+        check_chat_messages(v)
+        return v
 
 
 class CompletionRequest(SamplingFields):

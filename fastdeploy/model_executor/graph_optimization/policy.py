@@ -292,9 +292,10 @@ def _allreduce_fusion(config: FDConfig, prefill_sizes: list[int]) -> tuple[bool,
     if world == 1:
         why = "tensor_parallel_size=1 has no all-reduce"
     elif not parallel.enable_flashinfer_allreduce_fusion:
+        backend = get_platform(device).collective_backend
         why = (
-            "enable_flashinfer_allreduce_fusion=false; row-parallel outputs take NCCL "
-            "all-reduce, then the residual add and RMSNorm"
+            f"enable_flashinfer_allreduce_fusion=false; row-parallel outputs take the "
+            f"{backend} all-reduce (platform {device!r}), then the residual add and RMSNorm"
         )
     elif device != "cuda":
         why = f"platform {device!r}: flashinfer's fused all-reduce needs CUDA"
