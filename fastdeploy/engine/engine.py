@@ -165,9 +165,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         if config.parallel_config.splitwise_role != "mixed":
             from fastdeploy.splitwise.roles import make_role
 
-            self.pd = make_role(
-                config, self.worker.kv_caches, self.kv_layout, cache.block_size
-            )
+            self.pd = make_role(config, self.worker.kv_caches, self.kv_layout, cache.block_size)
 
     def _log_kv_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size

@@ -274,9 +274,10 @@ class GpuWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one KV tensor per layer of ``num_blocks`` blocks (zeros)."""
         shape = self.runner.attn_backend.kv_cache_shape(num_blocks)
-        self.runner.bind_kv_caches(
-            [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        )
+        zeros = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.runner.bind_kv_caches(zeros)
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens (block 0 is the reserved null block), %.2f GiB",
