@@ -4,7 +4,8 @@ Each :class:`ServerMetrics` owns its own :class:`prometheus_client.CollectorRegi
 the process-global default one, so tests (and one process hosting several servers) can create as
 many as they like without "duplicated timeseries" errors. Names follow FastDeploy's
 ``fastdeploy:`` metrics (``fastdeploy:num_requests_running``,
-``fastdeploy:time_to_first_token_seconds``, ...).
+``fastdeploy:time_to_first_token_seconds``, ...). Every series is one row of :data:`METRICS`
+(attribute, type, name, help, labels, buckets); a new series is a new row.
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
 by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and stores) come from
