@@ -4,7 +4,8 @@ Each :class:`ServerMetrics` owns its own :class:`prometheus_client.CollectorRegi
 the process-global default one, so tests (and one process hosting several servers) can create as
 many as they like without "duplicated timeseries" errors. Names follow FastDeploy's
 ``fastdeploy:`` metrics (``fastdeploy:num_requests_running``,
-``fastdeploy:time_to_first_token_seconds``, ...).
+``fastdeploy:time_to_first_token_seconds``, ...). Every series is one row of :data:`METRICS`
+(attribute, type, name, help, labels, buckets); a new series is a new row.
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
 by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and stores) come from
@@ -15,6 +16,7 @@ by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -57,6 +59,122 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # fmt: on
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """One row of :data:`METRICS`: a series :class:`ServerMetrics` declares.
+
+    Attributes:
+        attr: the :class:`ServerMetrics` attribute that holds it.
+        kind: :class:`~prometheus_client.Counter`, :class:`~prometheus_client.Gauge` or
+            :class:`~prometheus_client.Histogram`. Gauges are the engine's: combined over API
+            server processes with :data:`ENGINE_GAUGE_MODE`.
+        name: the series name (a counter is exported with ``_total`` appended).
+        help: its help text.
+        labels: label names (at most one where ``presets`` is given).
+        buckets: a histogram's bucket upper bounds (seconds).
+        presets: values of the one label whose series exist from the start (at 0).
+    """
+
+    attr: str
+    kind: type
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    presets: tuple[str, ...] = ()
+
+    def create(self, registry: CollectorRegistry) -> Any:
+        """The metric, registered in ``registry``, with its preset series."""
+        kwargs: dict[str, Any] = {"registry": registry}
+        if self.kind is Gauge:
+            kwargs["multiprocess_mode"] = ENGINE_GAUGE_MODE
+        if self.buckets is not None:
+            kwargs["buckets"] = self.buckets
+        metric = self.kind(self.name, self.help, list(self.labels), **kwargs)
+        for value in self.presets:
+            metric.labels(value)
+        return metric
+
+
+M = MetricSpec
+#: Every series of :class:`ServerMetrics`, one row each, in registration (and export) order.
+# fmt: off
+METRICS: tuple[MetricSpec, ...] = (
+    M("requests", Counter, "fastdeploy:request_success",
+      "Finished requests by finish reason.", ("finished_reason",), presets=FINISH_REASONS),
+    M("rejected", Counter, "fastdeploy:request_rejected",
+      "Requests refused with an HTTP error before reaching the engine, by reason.",
+      ("reason",), presets=REJECT_REASONS),
+    M("num_running", Gauge, "fastdeploy:num_requests_running", "Requests in the running batch."),
+    M("num_waiting", Gauge, "fastdeploy:num_requests_waiting",
+      "Requests waiting to be scheduled."),
+    M("kv_cache_usage", Gauge, "fastdeploy:gpu_cache_usage_perc",
+      "KV cache usage, 0..1 (1 = all blocks used)."),
+    M("free_blocks", Gauge, "fastdeploy:num_free_kv_blocks", "Free KV cache blocks."),
+    M("total_blocks", Gauge, "fastdeploy:num_total_kv_blocks", "KV cache blocks in the pool."),
+    M("prompt_tokens", Counter, "fastdeploy:prompt_tokens", "Prompt tokens prefilled."),
+    M("generation_tokens", Counter, "fastdeploy:generation_tokens", "Tokens generated."),
+    M("ttft", Histogram, "fastdeploy:time_to_first_token_seconds", "Time to first token (s).",
+      buckets=TTFT_BUCKETS),
+    M("tpot", Histogram, "fastdeploy:time_per_output_token_seconds",
+      "Time per output token after the first (s), one observation per streamed token.",
+      buckets=TPOT_BUCKETS),
+    M("e2e", Histogram, "fastdeploy:e2e_request_latency_seconds",
+      "End-to-end request latency (s).", buckets=E2E_BUCKETS),
+    M("steps", Counter, "fastdeploy:steps",
+      "Engine steps by graph mode (full, piecewise, eager).", ("mode",), presets=GRAPH_MODES),
+    M("preemptions", Counter, "fastdeploy:num_preemptions",
+      "Requests preempted by recompute because the KV cache was full (a request preempted "
+      "twice counts twice)."),
+    M("padded_tokens", Counter, "fastdeploy:padded_tokens",
+      "Tokens added to pad batches up to a capture size."),
+    # Prefill/decode disaggregation (exported only by a prefill or decode node's engine).
+    M("pd_pending_sends", Gauge, "fastdeploy:pd_pending_sends",
+      "Finished prefill-leg requests whose KV blocks wait for a decode node."),
+    M("pd_pending_send_blocks", Gauge, "fastdeploy:pd_pending_send_blocks",
+      "KV blocks held for decode nodes (pending sends)."),
+    M("pd_released", Counter, "fastdeploy:pd_pending_sends_released",
+      "Pending sends released, by reason (done, abort, expired).", ("reason",)),
+    M("pd_claims", Counter, "fastdeploy:pd_claims", "CLAIMs answered by this prefill node."),
+    M("pd_auth_rejected", Counter, "fastdeploy:pd_auth_rejected",
+      "PD side-channel messages and tcp KV reads refused by the PD secret check, by reason "
+      "(unsigned, malformed, bad_signature, stale, replayed).", ("reason",)),
+    M("pd_connections_refused", Counter, "fastdeploy:pd_connections_refused",
+      "PD connections refused over --pd-max-connections, by listener (side_channel, kv).",
+      ("listener",)),
+    M("num_waiting_for_remote_kv", Gauge, "fastdeploy:num_requests_waiting_for_remote_kv",
+      "Decode-leg requests holding blocks while their KV is pulled."),
+    M("kv_transfers", Counter, "fastdeploy:kv_transfers",
+      "KV pulls completed by this decode node."),
+    M("kv_transfer_bytes", Counter, "fastdeploy:kv_transfer_bytes",
+      "Bytes of KV pulled by this decode node."),
+    M("kv_transfer_seconds", Counter, "fastdeploy:kv_transfer_seconds",
+      "Seconds spent in completed KV pulls (claim, read, done)."),
+    M("kv_transfer_failures", Counter, "fastdeploy:kv_transfer_failures",
+      "Failed KV pulls, by reason (claim, transfer, cancelled).", ("reason",)),
+    # Host KV tier (exported only with --swap-space).
+    M("host_cache_hit_tokens", Counter, "fastdeploy:host_cache_hit_tokens",
+      "Prompt tokens found in the host KV tier at admission (swapped in, not recomputed)."),
+    M("swap_in_bytes", Counter, "fastdeploy:swap_in_bytes",
+      "Bytes of KV copied from the host tier back."),
+    M("swap_in_seconds", Counter, "fastdeploy:swap_in_seconds",
+      "Seconds from issuing swap-ins until the engine saw them land (step granularity)."),
+    M("host_store_bytes", Counter, "fastdeploy:host_store_bytes",
+      "Bytes of KV written through to the host tier (landed stores)."),
+    M("host_pending_stores", Gauge, "fastdeploy:host_pending_stores",
+      "KV blocks whose copy to the host tier is in flight (their device blocks are held)."),
+    M("host_cache_usage", Gauge, "fastdeploy:host_cache_usage_perc",
+      "Host KV tier usage, 0..1 (1 = all host blocks used)."),
+    M("num_waiting_for_swap_in", Gauge, "fastdeploy:num_requests_waiting_for_swap_in",
+      "Requests holding blocks while their host-tier hits are copied back."),
+    M("engine_stalled", Gauge, "fastdeploy:engine_stalled",
+      "1 while the engine has not finished a step for longer than --engine-stall-timeout "
+      "with work to do (/health answers 503), else 0."),
+)
+# fmt: on
+del M
+
+
 class ServerMetrics:
     """All metrics of one server, registered in ``self.registry``.
 
@@ -69,6 +187,9 @@ class ServerMetrics:
     ``multiprocess_dir`` the values live in prometheus_client's multiprocess files there
     (``PROMETHEUS_MULTIPROC_DIR``, set before prometheus_client is imported) and :meth:`render`
     sums the processes' counters and histograms.
+
+    Every row of :data:`METRICS` is registered and held as the attribute its ``attr`` names
+    (``self.ttft``, ``self.steps``, ...).
 
     Args:
         registry: where the metrics are registered (a new registry by default).
@@ -98,199 +219,9 @@ class ServerMetrics:
         self.multiprocess_dir = multiprocess_dir
         self.engine_stats = engine_stats
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "fastdeploy:request_success",
-            "Finished requests by finish reason.",
-            ["finished_reason"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "fastdeploy:request_rejected",
-            "Requests refused with an HTTP error before reaching the engine, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.num_running = Gauge(
-            "fastdeploy:num_requests_running",
-            "Requests in the running batch.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.num_waiting = Gauge(
-            "fastdeploy:num_requests_waiting",
-            "Requests waiting to be scheduled.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.kv_cache_usage = Gauge(
-            "fastdeploy:gpu_cache_usage_perc",
-            "KV cache usage, 0..1 (1 = all blocks used).",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.free_blocks = Gauge(
-            "fastdeploy:num_free_kv_blocks",
-            "Free KV cache blocks.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.total_blocks = Gauge(
-            "fastdeploy:num_total_kv_blocks",
-            "KV cache blocks in the pool.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.prompt_tokens = Counter(
-            "fastdeploy:prompt_tokens", "Prompt tokens prefilled.", registry=r
-        )
-        self.generation_tokens = Counter(
-            "fastdeploy:generation_tokens", "Tokens generated.", registry=r
-        )
-        self.ttft = Histogram(
-            "fastdeploy:time_to_first_token_seconds",
-            "Time to first token (s).",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "fastdeploy:time_per_output_token_seconds",
-            "Time per output token after the first (s), one observation per streamed token.",
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "fastdeploy:e2e_request_latency_seconds",
-            "End-to-end request latency (s).",
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.steps = Counter(
-            "fastdeploy:steps",
-            "Engine steps by graph mode (full, piecewise, eager).",
-            ["mode"],
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "fastdeploy:num_preemptions",
-            "Requests preempted by recompute because the KV cache was full (a request preempted "
-            "twice counts twice).",
-            registry=r,
-        )
-        self.padded_tokens = Counter(
-            "fastdeploy:padded_tokens",
-            "Tokens added to pad batches up to a capture size.",
-            registry=r,
-        )
-        # Prefill/decode disaggregation (exported only by a prefill or decode node's engine).
-        self.pd_pending_sends = Gauge(
-            "fastdeploy:pd_pending_sends",
-            "Finished prefill-leg requests whose KV blocks wait for a decode node.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.pd_pending_send_blocks = Gauge(
-            "fastdeploy:pd_pending_send_blocks",
-            "KV blocks held for decode nodes (pending sends).",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.pd_released = Counter(
-            "fastdeploy:pd_pending_sends_released",
-            "Pending sends released, by reason (done, abort, expired).",
-            ["reason"],
-            registry=r,
-        )
-        self.pd_claims = Counter(
-            "fastdeploy:pd_claims", "CLAIMs answered by this prefill node.", registry=r
-        )
-        self.pd_auth_rejected = Counter(
-            "fastdeploy:pd_auth_rejected",
-            "PD side-channel messages and tcp KV reads refused by the PD secret check, by reason "
-            "(unsigned, malformed, bad_signature, stale, replayed).",
-            ["reason"],
-            registry=r,
-        )
-        self.pd_connections_refused = Counter(
-            "fastdeploy:pd_connections_refused",
-            "PD connections refused over --pd-max-connections, by listener (side_channel, kv).",
-            ["listener"],
-            registry=r,
-        )
-        self.num_waiting_for_remote_kv = Gauge(
-            "fastdeploy:num_requests_waiting_for_remote_kv",
-            "Decode-leg requests holding blocks while their KV is pulled.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.kv_transfers = Counter(
-            "fastdeploy:kv_transfers", "KV pulls completed by this decode node.", registry=r
-        )
-        self.kv_transfer_bytes = Counter(
-            "fastdeploy:kv_transfer_bytes", "Bytes of KV pulled by this decode node.", registry=r
-        )
-        self.kv_transfer_seconds = Counter(
-            "fastdeploy:kv_transfer_seconds",
-            "Seconds spent in completed KV pulls (claim, read, done).",
-            registry=r,
-        )
-        self.kv_transfer_failures = Counter(
-            "fastdeploy:kv_transfer_failures",
-            "Failed KV pulls, by reason (claim, transfer, cancelled).",
-            ["reason"],
-            registry=r,
-        )
-        # Host KV tier (exported only with --swap-space).
-        self.host_cache_hit_tokens = Counter(
-            "fastdeploy:host_cache_hit_tokens",
-            "Prompt tokens found in the host KV tier at admission (swapped in, not recomputed).",
-            registry=r,
-        )
-        self.swap_in_bytes = Counter(
-            "fastdeploy:swap_in_bytes", "Bytes of KV copied from the host tier back.", registry=r
-        )
-        self.swap_in_seconds = Counter(
-            "fastdeploy:swap_in_seconds",
-            "Seconds from issuing swap-ins until the engine saw them land (step granularity).",
-            registry=r,
-        )
-        self.host_store_bytes = Counter(
-            "fastdeploy:host_store_bytes",
-            "Bytes of KV written through to the host tier (landed stores).",
-            registry=r,
-        )
-        self.host_pending_stores = Gauge(
-            "fastdeploy:host_pending_stores",
-            "KV blocks whose copy to the host tier is in flight (their device blocks are held).",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.host_cache_usage = Gauge(
-            "fastdeploy:host_cache_usage_perc",
-            "Host KV tier usage, 0..1 (1 = all host blocks used).",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.num_waiting_for_swap_in = Gauge(
-            "fastdeploy:num_requests_waiting_for_swap_in",
-            "Requests holding blocks while their host-tier hits are copied back.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
-        self.engine_stalled = Gauge(
-            "fastdeploy:engine_stalled",
-            "1 while the engine has not finished a step for longer than --engine-stall-timeout "
-            "with work to do (/health answers 503), else 0.",
-            registry=r,
-            multiprocess_mode=ENGINE_GAUGE_MODE,
-        )
+        for spec in METRICS:
+            setattr(self, spec.attr, spec.create(self.registry))
         self._last_totals: dict[str, float] = {}
-        for reason in FINISH_REASONS:
-            self.requests.labels(finished_reason=reason)
-        for reason in REJECT_REASONS:
-            self.rejected.labels(reason=reason)
-        for mode in GRAPH_MODES:
-            self.steps.labels(mode=mode)
         self._last_steps: dict[str, int] = {}
         self._last_padded = 0
 

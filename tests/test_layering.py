@@ -1,7 +1,8 @@
 """The import graph points one way: a lower folder of ``fastdeploy`` never imports a higher one.
 
 Layers, from the top (``docs/architecture.md`` in the shared docs): entrypoints -> engine ->
-scheduler, worker -> model_executor, cache_manager -> core, config, envs, platforms. Every
+scheduler, worker -> model_executor, cache_manager -> distributed -> core, config, envs,
+platforms. Every
 ``import`` and ``from ... import`` in a module counts, lazy ones inside functions included.
 """
 
@@ -20,16 +21,16 @@ RANKS = {
     "config": 0,
     "envs": 0,
     "platforms": 0,
-    "model_executor": 1,
-    "cache_manager": 1,
     "distributed": 1,
-    "scheduler": 2,
-    "worker": 2,
-    "splitwise": 2,
-    "metrics": 3,
-    "engine": 3,
-    "entrypoints": 4,
-    "router": 4,
+    "model_executor": 2,
+    "cache_manager": 2,
+    "scheduler": 3,
+    "worker": 3,
+    "splitwise": 3,
+    "metrics": 4,
+    "engine": 4,
+    "entrypoints": 5,
+    "router": 5,
 }
 #: Extra rules stricter than the ranks: (importer prefix, forbidden prefixes).
 FORBIDDEN = [

@@ -12,7 +12,7 @@ import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,9 +20,6 @@ import torch.distributed as dist
 
 from fastdeploy.config import check
 from fastdeploy.platforms import get_platform
-
-if TYPE_CHECKING:
-    from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion
 
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
@@ -39,6 +36,24 @@ def parse_dist_init_addr(addr: str) -> tuple[str, int]:
         "host:port, e.g. 127.0.0.1:29500",
     )
     return host, int(port)
+
+
+class FusedAllReduce(Protocol):
+    """What the group carries of a fused all-reduce + residual add + RMSNorm: the interface
+    :class:`~fastdeploy.model_executor.layers.allreduce_fusion.AllReduceFusion` implements.
+    Declared here so that ``distributed`` ranks below ``model_executor`` and never imports it.
+    """
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s), s)`` with ``s = all_reduce(x) + residual``; ``x``, ``residual``:
+        ``[T, hidden]`` of one dtype; ``norm``: an RMSNorm (``weight``, ``eps``)."""
+        ...
+
+    def destroy(self) -> None:
+        """Free the workspace (collective: every rank calls it)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,7 @@ class TPGroup:
     world_size: int
     device_group: object
     cpu_group: object
-    allreduce_fusion: AllReduceFusion | None = None
+    allreduce_fusion: FusedAllReduce | None = None
 
     @property
     def is_driver(self) -> bool:

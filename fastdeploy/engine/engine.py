@@ -136,11 +136,8 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         )
         self._log_kv_cache(num_blocks)
         self.worker.initialize_kv_cache(num_blocks)
+        # Ends with the step counters at zero: the metrics count served steps only.
         self.worker.graph_optimize_and_warm_up_model()
-        # The metrics count served steps only: not the memory profile or the warm-up steps.
-        runner = self.worker.runner
-        runner.steps_by_mode = dict.fromkeys(runner.steps_by_mode, 0)
-        runner.num_padded_tokens = 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
         )
@@ -168,9 +165,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         if config.parallel_config.splitwise_role != "mixed":
             from fastdeploy.splitwise.roles import make_role
 
-            self.pd = make_role(
-                config, self.worker.runner.kv_caches, self.kv_layout, cache.block_size
-            )
+            self.pd = make_role(config, self.worker.kv_caches, self.kv_layout, cache.block_size)
 
     def _log_kv_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -427,7 +422,6 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         ``num_preemptions`` (cumulative); with a host KV tier also ``host_cache_hit_tokens``,
         ``swap_in_bytes``, ``swap_in_seconds``, ``host_store_bytes`` (cumulative),
         ``host_pending_stores`` (blocks), ``host_cache_usage`` (0..1) and ``num_host_blocks``."""
-        runner = self.worker.runner
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
@@ -437,8 +431,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_total_blocks": self.kv_cache_manager.num_usable_blocks,
-            "steps_by_mode": dict(runner.steps_by_mode),
-            "num_padded_tokens": runner.num_padded_tokens,
+            **self.worker.get_stats(),  # steps_by_mode, num_padded_tokens
         }
         if self.pd is not None:
             stats["pd"] = self.pd.stats()

@@ -31,7 +31,7 @@ class PDStepMixin:
 
         from fastdeploy.splitwise.protocol import kv_layout
 
-        kv = self.worker.runner.kv_caches
+        kv = self.worker.kv_caches
         return kv_layout(
             model=os.path.basename(str(self.source.path)),
             dtype=str(kv[0].dtype).removeprefix("torch."),

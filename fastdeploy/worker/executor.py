@@ -3,7 +3,8 @@
 ``make_worker(config, graph_plan)`` returns a :class:`GpuWorker` for ``tensor_parallel_size=1``
 and a :class:`TensorParallelWorker` otherwise; both offer the engine the same calls
 (``load_model``, ``determine_num_blocks``, ``initialize_kv_cache``,
-``graph_optimize_and_warm_up_model``, ``execute_model``, ``shutdown``) and the same ``runner``.
+``graph_optimize_and_warm_up_model``, ``execute_model``, ``shutdown``) and the same reads
+(``kv_caches``, ``get_stats``, ``bytes_per_block``, ...).
 
 Under tensor parallelism rank 0 runs in the engine's process and ranks ``1..N-1`` of this node
 run in processes of their own (:mod:`fastdeploy.worker.worker_process`). Rank 0 sends each call
@@ -90,8 +91,8 @@ class TensorParallelWorker:
 
     Attributes:
         worker: rank 0's :class:`GpuWorker`.
-        runner: rank 0's model runner (after :meth:`load_model`; ``steps_by_mode``,
-            ``num_padded_tokens``, ``graph_runner``, ``kv_caches`` as with one rank).
+        kv_caches: rank 0's KV cache (after :meth:`load_model`), as with one rank; rank 0's
+            other data attributes (``runner`` included) read through as well.
         ranks: the rank processes of this node (ranks ``1..ranks_per_node-1``).
 
     Raises:
@@ -114,7 +115,6 @@ class TensorParallelWorker:
         self.graph_plan = graph_plan
         self.device_type = config.device_config.device
         self.dist_init_addr = parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
-        self.runner = None
         self.worker: GpuWorker | None = None
         self._failure: BaseException | None = None
         self._closed = False
@@ -164,7 +164,6 @@ class TensorParallelWorker:
     # ------------------------------------------------------------- the worker interface
     def load_model(self) -> None:
         self._call("load_model")
-        self.runner = self.worker.runner
 
     def determine_num_blocks(self) -> int:
         """KV blocks of every rank: the smallest count any rank can hold (each rank holds
@@ -187,7 +186,7 @@ class TensorParallelWorker:
         if sched.is_empty:  # only rank 0 keeps per-request state (sampling), nothing to send
             self._check_alive()
             return self.worker.execute_model(sched)
-        dispatch = self.worker.runner.dispatch(sched)
+        dispatch = self.worker.dispatch(sched)
         return self._call("execute_model", sched, dispatch, sent=(rank_step(sched), dispatch))
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingOutput:
@@ -216,7 +215,6 @@ class TensorParallelWorker:
                 release_communication(self.tp)
             except Exception as e:  # noqa: BLE001 - the ranks are stopped below either way
                 logger.warning("freeing the fused all-reduce workspace failed: %s", e)
-        self.runner = None
         # Ranks that were told exit on their own; others may be stuck in a collective.
         self.ranks.stop(exit_wait_s=EXIT_WAIT_S if told else 0.0)
         self._finalizer()
@@ -229,7 +227,13 @@ class TensorParallelWorker:
         return self.ranks.pids
 
     def blocks_needed_at_most(self) -> int:
+        """See :meth:`GpuWorker.blocks_needed_at_most` (the same on every rank)."""
         return self.worker.blocks_needed_at_most()
+
+    def get_stats(self) -> dict:
+        """Rank 0's step counters (:meth:`GpuWorker.get_stats`); every rank runs the same
+        steps in the same modes."""
+        return self.worker.get_stats()
 
     def __getattr__(self, name: str) -> Any:
         """Rank 0's data attributes (``num_kv_heads`` and ``head_dim`` of one rank,

@@ -69,6 +69,7 @@ class GPUModelRunner:
         # (overlap schedule) read them there.
         self.last_sampled: LastSampled | None = None
         self.graph_runner = None  # set by the worker when CUDA graphs are on
+        # Steps run by graph mode and the padding rows they carried (see reset_step_counters).
         self.steps_by_mode = {"full": 0, "piecewise": 0, "eager": 0}
         self.num_padded_tokens = 0
 
@@ -76,6 +77,25 @@ class GPUModelRunner:
         """Reseed the engine generator (after warm-up, so a seed gives the same output with and
         without graphs) and free every request's sampling slot (the warm-up's dummy requests)."""
         self.sampling.reset()
+
+    def reset_step_counters(self) -> None:
+        """Zero ``steps_by_mode`` and ``num_padded_tokens`` (at the end of warm-up, so that they
+        count served steps only, not the memory profile or the kernel warm-up)."""
+        self.steps_by_mode = dict.fromkeys(self.steps_by_mode, 0)
+        self.num_padded_tokens = 0
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Use ``kv_caches`` (one tensor per layer, the backend's ``kv_cache_shape``) from the
+        next step on, and bind them to the attention backend; ``[]`` drops them. The list
+        object :attr:`kv_caches` stays the same (its contents are replaced)."""
+        self.kv_caches[:] = kv_caches
+        self.attn_backend.bind_kv_caches(self.kv_caches)
+
+    def release(self) -> None:
+        """Drop the graphs and the KV caches (shutdown)."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        self.bind_kv_caches([])
 
     # ---------------------------------------------------------------- capture
     def init_graph_runner(

@@ -143,6 +143,29 @@ class GpuWorker:
         per_seq = math.ceil(cfg.model_config.max_model_len / cfg.cache_config.block_size)
         return per_seq * cfg.scheduler_config.max_num_seqs + 1
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV cache, one tensor per layer in the attention backend's ``kv_cache_shape``
+        (``num_blocks`` blocks of this rank's KV heads, ``dtype``); empty before
+        :meth:`initialize_kv_cache`. The same list object for the worker's lifetime (after
+        :meth:`load_model`), so a transport may register it once.
+
+        Raises:
+            AttributeError: before :meth:`load_model` or after :meth:`shutdown`.
+        """
+        if self.runner is None:
+            raise AttributeError("kv_caches: the model is not loaded")
+        return self.runner.kv_caches
+
+    def get_stats(self) -> dict:
+        """Counters of the steps served since warm-up ended: ``steps_by_mode`` (mode ->
+        steps, modes ``full``, ``piecewise``, ``eager``) and ``num_padded_tokens`` (padding rows
+        the graph buckets added, tokens). A copy: later steps do not change it."""
+        return {
+            "steps_by_mode": dict(self.runner.steps_by_mode),
+            "num_padded_tokens": self.runner.num_padded_tokens,
+        }
+
     # ------------------------------------------------------------- memory
     def determine_num_blocks(self) -> int:
         """KV blocks to allocate: ``num_gpu_blocks_override`` if set; on CUDA from a profile run
@@ -180,8 +203,7 @@ class GpuWorker:
         self.runner.execute_model(sched)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        self.runner.kv_caches.clear()
-        self.runner.attn_backend.bind_kv_caches([])
+        self.runner.bind_kv_caches([])
         torch.cuda.empty_cache()
         profile_kv = blocks * self.bytes_per_block
         activations = peak - weights - profile_kv
@@ -252,10 +274,10 @@ class GpuWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one KV tensor per layer of ``num_blocks`` blocks (zeros)."""
         shape = self.runner.attn_backend.kv_cache_shape(num_blocks)
-        self.runner.kv_caches[:] = [
+        zeros = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        self.runner.attn_backend.bind_kv_caches(self.runner.kv_caches)
+        self.runner.bind_kv_caches(zeros)
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens (block 0 is the reserved null block), %.2f GiB",
@@ -268,7 +290,7 @@ class GpuWorker:
     def initialize_host_kv_pool(self, num_host_blocks: int) -> None:
         """Allocate the host tier: ``num_host_blocks`` blocks per layer in the device cache's
         block layout (pinned on CUDA). Call after :meth:`initialize_kv_cache`."""
-        block_shape = tuple(self.runner.kv_caches[0].shape[1:])
+        block_shape = tuple(self.kv_caches[0].shape[1:])
         start = time.perf_counter()
         self.host_pool = HostKVPool(
             num_host_blocks, block_shape, self.num_layers, self.dtype, self.device
@@ -284,20 +306,21 @@ class GpuWorker:
     def store_blocks(self, device_blocks: list[int], host_blocks: list[int]) -> CopyJob:
         """Copy ``device_blocks`` of every layer into host blocks ``host_blocks`` (write-through,
         on the host pool's side stream after the work already queued on the device)."""
-        return self.host_pool.store(self.runner.kv_caches, device_blocks, host_blocks)
+        return self.host_pool.store(self.kv_caches, device_blocks, host_blocks)
 
     def load_blocks(
         self, host_blocks: list[int], device_blocks: list[int], per_layer: bool
     ) -> CopyJob:
         """Copy host blocks ``host_blocks`` into ``device_blocks`` of every layer (swap-in);
         ``per_layer``: one event per layer, in layer order."""
-        return self.host_pool.load(self.runner.kv_caches, host_blocks, device_blocks, per_layer)
+        return self.host_pool.load(self.kv_caches, host_blocks, device_blocks, per_layer)
 
     # ------------------------------------------------------------- warm-up
     def graph_optimize_and_warm_up_model(self) -> None:
         """Capture CUDA graphs per the plan (prefill/mixed first, then decode) inside one capture
         session, then reset the sampling RNG so a seed gives the same output with and without
-        graphs.
+        graphs, and zero the step counters (:meth:`get_stats` counts served steps only, not the
+        memory profile or the warm-up).
 
         Raises:
             RuntimeError: capture failed (out of memory or a CUDA error), naming the knobs.
@@ -317,7 +340,6 @@ class GpuWorker:
             self.runner.execute_model(dummy_step(decode, block_size, history=1, share_block=True))
             torch.cuda.synchronize()
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
-            self.runner.steps_by_mode["eager"] -= 2
             gcfg = self.config.graph_opt_config
             graphs = self.runner.init_graph_runner(
                 plan,
@@ -335,6 +357,12 @@ class GpuWorker:
                 self.runner.graph_runner = None
                 raise
         self.runner.reset_sampling_state()
+        self.runner.reset_step_counters()
+
+    def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:
+        """The step's ``(mode, bucket)`` (:meth:`GPUModelRunner.dispatch`): what rank 0 sends
+        the other ranks with the step, so that they replay the same graph."""
+        return self.runner.dispatch(sched)
 
     def execute_model(
         self,
@@ -357,8 +385,5 @@ class GpuWorker:
             self.host_pool.release()
             self.host_pool = None
         if self.runner is not None:
-            if self.runner.graph_runner is not None:
-                self.runner.graph_runner.release()
-            self.runner.kv_caches.clear()
-            self.runner.attn_backend.bind_kv_caches([])
+            self.runner.release()
             self.runner = None

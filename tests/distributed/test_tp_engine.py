@@ -151,7 +151,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dirs, tp1_tokens, name):
         assert seeded_tokens(llm) == expected_seeded
         # Each rank holds half the KV heads of every block (2 -> 1).
         assert worker.num_kv_heads == 1
-        assert worker.runner.kv_caches[0].shape[3] == 1
+        assert worker.kv_caches[0].shape[3] == 1
         assert llm.engine.get_stats()["steps_by_mode"]["eager"] > 0
     finally:
         stop(llm)

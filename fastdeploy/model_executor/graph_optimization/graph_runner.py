@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -114,6 +115,33 @@ class CudaGraphRunner:
             )
         self.capture_log.append((kind, size))
 
+    def _warm_up_and_capture(
+        self,
+        phase: str,
+        run_eager: Callable[[], object],
+        capture: Callable[[], object],
+        release_warm_up: bool = True,
+    ) -> None:
+        """The one warm-up-then-capture sequence of every bucket: ``num_warmups`` eager runs
+        on the capture stream, a wait for them, then ``capture()``; the seconds of each part
+        are added to ``seconds[f"{phase} warm-up"]`` and ``seconds[f"{phase} capture"]``.
+
+        ``release_warm_up``: empty the allocator cache between the two. The warm-up's
+        activations sit in the capture stream's cache; released before the graphs' pool grows,
+        they are never reserved at the same time as it.
+        """
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.num_warmups):
+                run_eager()
+        self.stream.synchronize()
+        if release_warm_up:
+            torch.cuda.empty_cache()
+        t1 = time.perf_counter()
+        capture()
+        self.seconds[f"{phase} warm-up"] += t1 - t0
+        self.seconds[f"{phase} capture"] += time.perf_counter() - t1
+
     def segment_buffers(self) -> SegmentBuffers:
         """The static tensors every segment reads and writes, sized for the largest prefill
         bucket; allocated at the first capture, so the capture log counts them as graph memory."""
@@ -162,18 +190,11 @@ class CudaGraphRunner:
         graph = PiecewiseGraph(
             num_tokens, segments, bufs, self.attn_layers, kv_in_segments=kv_stores is not None
         )
-        t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.num_warmups):
-                graph.run_eager(forward_meta)
-        self.stream.synchronize()
-        # The warm-up's activations sit in the capture stream's cache; release them before the
-        # graphs' pool grows, or both would be reserved at once.
-        torch.cuda.empty_cache()
-        t1 = time.perf_counter()
-        graph.capture(self.pool, self.stream)
-        self.seconds["prefill warm-up"] += t1 - t0
-        self.seconds["prefill capture"] += time.perf_counter() - t1
+        self._warm_up_and_capture(
+            "prefill",
+            lambda: graph.run_eager(forward_meta),
+            lambda: graph.capture(self.pool, self.stream),
+        )
         graph.input_ptr = input_ids.data_ptr()
         self.piecewise[num_tokens] = graph
 
@@ -205,18 +226,11 @@ class CudaGraphRunner:
         )
         tail = self._logits_tail(batch_size) if self.capture_logits else None
         graph = FullGraph(batch_size, self.model, input_ids, positions, graph_meta, tail)
-        t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.num_warmups):
-                graph.run_eager(meta)
-        self.stream.synchronize()
-        # The warm-up's activations sit in the capture stream's cache; release them before the
-        # graphs' pool grows, or both would be reserved at once.
-        torch.cuda.empty_cache()
-        t1 = time.perf_counter()
-        graph.capture(meta, self.pool, self.stream)
-        self.seconds["decode warm-up"] += t1 - t0
-        self.seconds["decode capture"] += time.perf_counter() - t1
+        self._warm_up_and_capture(
+            "decode",
+            lambda: graph.run_eager(meta),
+            lambda: graph.capture(meta, self.pool, self.stream),
+        )
         graph.input_ptr = input_ids.data_ptr()
         self.full[batch_size] = graph
 
@@ -266,15 +280,14 @@ class CudaGraphRunner:
         graph = SampledLogitsGraph(
             rows, self.segment_buffers().hidden, logits_indices[:rows], self._logits_tail(rows)
         )
-        t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.num_warmups):
-                graph.run_eager()
-        self.stream.synchronize()
-        t1 = time.perf_counter()
-        graph.capture(self.pool, self.stream)
-        self.seconds["sampled warm-up"] += t1 - t0
-        self.seconds["sampled capture"] += time.perf_counter() - t1
+        # Its warm-up allocates little beyond the shared logits rows (a gather of ``rows``
+        # hidden rows and their argmax), so the cache is not emptied before its capture.
+        self._warm_up_and_capture(
+            "sampled",
+            graph.run_eager,
+            lambda: graph.capture(self.pool, self.stream),
+            release_warm_up=False,
+        )
         self.sampled[rows] = graph
         self._sampled_sizes = sorted(self.sampled)
 
