@@ -131,6 +131,15 @@ class EngineDead(_Message):
     error: BaseException
 
 
+class PrefillTrustCheck(Protocol):
+    """Which prefill nodes a decode node trusts
+    (:class:`~fastdeploy.splitwise.pd_auth.PrefillTrust`)."""
+
+    def check(self, params: dict[str, Any]) -> None:
+        """Raise when ``params`` (a decode leg's ``kv_transfer_params``) names a prefill node
+        this decode node does not trust."""
+
+
 class AdmissionCheck(Protocol):
     """What a front end checks requests against, fixed at the engine's start-up
     (:class:`~fastdeploy.engine.admission.Admission`, sent in :class:`EngineReady`)."""
@@ -139,7 +148,7 @@ class AdmissionCheck(Protocol):
     max_model_len_note: str | None
     vocab_size: int
     splitwise_role: str
-    pd_trust: Any
+    pd_trust: PrefillTrustCheck | None
 
     def check(
         self,

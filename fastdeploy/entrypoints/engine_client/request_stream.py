@@ -1,14 +1,14 @@
 """One request's outputs on the server's asyncio side: the queue the engine loop's callback fills,
 and the stream its consumer (an HTTP handler, ``AsyncLLMEngine.generate``) reads.
 
-Part of :mod:`fastdeploy.engine.async_engine`; both classes run on the asyncio thread only.
+Part of :mod:`~.async_engine`; both classes run on the asyncio thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 
 class RequestOutputs:
@@ -71,6 +71,13 @@ class RequestOutputs:
         self._items.appendleft(item)
 
 
+class Aborter(Protocol):
+    """What a stream tells that its consumer left (the :class:`~.async_engine.AsyncLLMEngine`)."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort the request unless it already finished."""
+
+
 class RequestStream:
     """Async iterator over one request's ``RequestOutput`` objects, ending after the finished
     one (:meth:`next_batch` takes every output already there at once, :meth:`final` only the
@@ -82,8 +89,7 @@ class RequestStream:
     Each output is the request's own object for that step (the output processor makes new ones
     every step), so a consumer that is a few steps behind reads every step's ``delta_text``."""
 
-    def __init__(self, engine: Any, request_id: str, outputs: RequestOutputs) -> None:
-        # engine: what to call ``abort(request_id)`` on (the AsyncLLMEngine)
+    def __init__(self, engine: Aborter, request_id: str, outputs: RequestOutputs) -> None:
         self.request_id = request_id
         self._engine = engine
         self._outputs = outputs
