@@ -39,7 +39,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastdeploy.core.messages import (
     AbortRequest,
@@ -65,6 +65,9 @@ from fastdeploy.entrypoints.engine_client.stall_watch import (
 )
 from fastdeploy.entrypoints.engine_client.thread_core import LocalEngine, ThreadCore
 from fastdeploy.metrics import ServerMetrics, StepTokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ class EngineCore(Protocol):
     own (:class:`~.process_client.EngineCoreClient`) or on a thread here
     (:class:`~.thread_core.ThreadCore`)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None
     max_model_len: int
     max_model_len_note: str | None
     vocab_size: int

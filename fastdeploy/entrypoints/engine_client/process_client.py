@@ -47,6 +47,8 @@ from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.entrypoints.engine_client.pipe_frames import FrameReader
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from fastdeploy.config import FDConfig
     from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
@@ -111,7 +113,7 @@ class EngineCoreClient:
             raise
 
     def _connect(self, config: FDConfig) -> None:
-        self.tokenizer = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         if not config.model_config.skip_tokenizer_init:
             self.tokenizer = config.model_source.load_tokenizer()
         ready = self._wait_ready()

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastdeploy.core.messages import Command, Emit, EngineMessage, PrefillTrustCheck
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.engine_loop import EngineLoop, SteppableEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LocalEngine(SteppableEngine, Protocol):
@@ -25,7 +28,7 @@ class LocalEngine(SteppableEngine, Protocol):
     (each with ``to_dict()``) and ``pd`` (the PD role, whose ``trust`` is the decode node's
     ``PrefillTrust``)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None
     max_model_len: int
     vocab_size: int
 
