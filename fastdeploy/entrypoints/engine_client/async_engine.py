@@ -176,7 +176,7 @@ class AsyncLLMEngine:
         metrics: where to record; a fresh :class:`ServerMetrics` by default.
         engine_stall_timeout_s: seconds without a finished step, while there is work, after
             which :meth:`stall_reason` reports the engine as stalled (``/health`` answers 503);
-            None or 0: never (:mod:`~fastdeploy.engine.stall_watch`).
+            None or 0: never (:mod:`~.stall_watch`).
 
     Raises:
         ValueError: a bad ``engine_stall_timeout_s``.
