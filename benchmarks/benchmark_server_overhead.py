@@ -226,7 +226,7 @@ def run_http(tokenizer: Any, args: argparse.Namespace) -> dict:
     """The in-process server driven by ``benchmarks/sse_client.py`` in a subprocess."""
     import uvicorn
 
-    from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.app import build_app
 
     engine = SyntheticEngine(tokenizer, args.step_ms / 1000, host_s=args.host_ms / 1000)
@@ -301,7 +301,7 @@ async def _consume_direct(handler: Any, prompts: list[list[int]], args: argparse
 
 def run_direct(tokenizer: Any, args: argparse.Namespace) -> dict:
     """The completions handler and ``AsyncLLMEngine`` without HTTP, on one asyncio loop."""
-    from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
     engine = SyntheticEngine(tokenizer, args.step_ms / 1000, host_s=args.host_ms / 1000)

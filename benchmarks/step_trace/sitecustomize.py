@@ -175,7 +175,8 @@ def _req_close(rid: str) -> None:
 def _install_requests() -> None:
     """The request events of the module docstring: the engine loop's here, the API server's
     when its first ``AsyncLLMEngine`` is made (only a server process imports those modules)."""
-    from fastdeploy.engine import async_engine, engine_loop
+    from fastdeploy.engine import engine_loop
+    from fastdeploy.entrypoints.engine_client import async_engine
 
     add = engine_loop.EngineLoop._add
 
@@ -337,17 +338,18 @@ def _install() -> None:
 
     llm_engine.step = traced_step
     atexit.register(_flush)  # before the loop's parts: a part that cannot be wrapped loses none
+    from fastdeploy.core.messages import StepOutputs
     from fastdeploy.engine import engine_core_proc
 
-    emitter = engine_core_proc._Emitter
+    emitter = engine_core_proc.PipeEmitter
     call = emitter.__call__
 
-    def traced_call(self, kind, *args):
+    def traced_call(self, message):
         start = _clock()
         try:
-            return call(self, kind, *args)
+            return call(self, message)
         finally:
-            if kind == "step" and _records:
+            if isinstance(message, StepOutputs) and _records:
                 _records[-1]["emit"] = _clock() - start
 
     emitter.__call__ = traced_call

@@ -6,16 +6,18 @@ commands of all of them go into the one queue that
 :class:`~fastdeploy.engine.engine_loop.EngineLoop` drains, and :class:`FrontendRouter` remembers
 which front end added each request, so that the loop's messages go back to where they belong:
 
-* ``step``: each front end gets its own requests' outputs, with the step's counters and time;
-  front end 0 (the primary, which exports the engine's counters) gets every step's message, the
-  others only the steps that have outputs of theirs;
-* ``fail``: to the request's front end;
-* ``stats``, ``dead``, ``ready``, ``error``: to every front end.
+* :class:`~fastdeploy.core.messages.StepOutputs`: each front end gets its own requests'
+  outputs, with the step's counters and time; front end 0 (the primary, which exports the
+  engine's counters) gets every step's message, the others only the steps that have outputs of
+  theirs;
+* :class:`~fastdeploy.core.messages.RequestFailed`: to the request's front end;
+* every other message (``EngineStats``, ``EngineDead``, ``EngineReady``, ``EngineStartFailed``):
+  to every front end.
 
 A front end leaves by ``StopLoop`` (its graceful shutdown) or by its pipe closing (it died); the
 router then aborts the requests it still owned, so their KV blocks are freed, and once every front
 end has left the loop gets ``StopLoop``. A request id that another front end already has in
-flight is refused (``fail`` with a ``ValueError``) instead of taking over its outputs.
+flight is refused (``RequestFailed`` with a ``ValueError``) instead of taking over its outputs.
 
 Each front end's messages are sent by a thread of its own (:class:`_Sender`), so a front end
 that stops reading (a hung process: its pipe fills up) never blocks the loop or the others; one
@@ -34,9 +36,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
-from fastdeploy.engine.engine_loop import AbortRequest, AddRequest, StopLoop
+from fastdeploy.core.messages import (
+    AbortRequest,
+    AddRequest,
+    Emit,
+    EngineMessage,
+    RequestFailed,
+    StepOutputs,
+    StopLoop,
+)
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.engine.engine_loop import Command
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +59,23 @@ STUCK_S = 10.0
 STATS_EVERY_S = 0.1
 
 
+class CommandSink(Protocol):
+    """Where a front end's commands go: the loop's queue, or a front end's inbox here."""
+
+    def put(self, cmd: Command) -> None:
+        """Queue ``cmd`` (never blocks)."""
+
+
 class _Sender:
     """Sends one front end's messages, in order, from a thread of its own.
 
-    ``emit(kind, *args)`` is the blocking sender of the pipe (``_Emitter``); ``put`` never
-    blocks. :meth:`lag` is how long the oldest unsent message has waited; after :meth:`cut`,
-    nothing more is sent and the pipe is closed once the send in progress returns.
+    ``emit(message)`` is the blocking sender of the pipe
+    (:class:`~fastdeploy.engine.engine_core_proc.PipeEmitter`); ``put`` never blocks.
+    :meth:`lag` is how long the oldest unsent message has waited; after :meth:`cut`, nothing
+    more is sent and the pipe is closed once the send in progress returns.
     """
 
-    def __init__(self, emit: Callable[..., None], name: str) -> None:
+    def __init__(self, emit: Emit, name: str) -> None:
         self._emit = emit
         self._items: deque = deque()
         self._wake = threading.Condition(threading.Lock())
@@ -65,11 +85,11 @@ class _Sender:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, kind: str, *args: Any) -> None:
+    def put(self, message: EngineMessage) -> None:
         with self._wake:
             if self._cut or self._closed:
                 return
-            self._items.append((time.monotonic(), kind, args))
+            self._items.append((time.monotonic(), message))
             self._wake.notify()
 
     def pending(self) -> int:
@@ -105,12 +125,14 @@ class _Sender:
                     self._wake.wait()
                 if self._cut or not self._items:
                     break
-                queued, kind, args = self._items.popleft()
+                queued, message = self._items.popleft()
                 self._sending_since = queued
             try:
-                self._emit(kind, *args)
+                self._emit(message)
             except Exception:  # noqa: BLE001 - one bad message must not end this front end
-                logger.exception("could not send a %r message to an API server", kind)
+                logger.exception(
+                    "could not send a %s message to an API server", type(message).__name__
+                )
             finally:
                 self._sending_since = None
         if self._cut:
@@ -128,7 +150,7 @@ class _Inbox:
         self.router = router
         self.index = index
 
-    def put(self, cmd: Any) -> None:
+    def put(self, cmd: Command) -> None:
         self.router.command(self.index, cmd)
 
 
@@ -138,7 +160,7 @@ class FrontendRouter:
     Args:
         commands: the loop's command queue (``put``).
         make_emitter: ``make_emitter(inbox)`` -> the sender of one front end's messages
-            (``emitter(kind, *args)``; it puts ``StopLoop`` into ``inbox`` when its pipe is
+            (``emitter(message)``; it puts ``StopLoop`` into ``inbox`` when its pipe is
             closed), called once per front end, in order.
         num_frontends: N >= 2.
 
@@ -152,8 +174,8 @@ class FrontendRouter:
 
     def __init__(
         self,
-        commands: Any,
-        make_emitter: Callable[[Any], Callable[..., None]],
+        commands: CommandSink,
+        make_emitter: Callable[[CommandSink], Emit],
         num_frontends: int,
     ) -> None:
         if num_frontends < 2:
@@ -178,7 +200,7 @@ class FrontendRouter:
         return len(self._owners)
 
     # ------------------------------------------------------------------ commands (pump threads)
-    def command(self, index: int, cmd: Any) -> None:
+    def command(self, index: int, cmd: Command) -> None:
         """A command from front end ``index``: note who owns an added request, forget an aborted
         one; ``StopLoop`` means that front end leaves."""
         if isinstance(cmd, StopLoop):
@@ -191,12 +213,13 @@ class FrontendRouter:
                 owner = self._owners.get(cmd.request_id)
                 if owner is not None:
                     self._senders[index].put(
-                        "fail",
-                        cmd.request_id,
-                        ValueError(
-                            f"request id {cmd.request_id!r} is already in flight from API "
-                            f"server {owner}; allowed: an id not in flight"
-                        ),
+                        RequestFailed(
+                            cmd.request_id,
+                            ValueError(
+                                f"request id {cmd.request_id!r} is already in flight from API "
+                                f"server {owner}; allowed: an id not in flight"
+                            ),
+                        )
                     )
                     return
                 self._owners[cmd.request_id] = index
@@ -223,22 +246,24 @@ class FrontendRouter:
             self.commands.put(StopLoop())
 
     # ------------------------------------------------------------------ messages (loop thread)
-    def __call__(self, kind: str, *args: Any) -> None:
-        if kind == "step":
-            self._step(*args)
-        elif kind == "fail":
-            with self._lock:
-                index = self._owners.pop(args[0], None)
-                if index is not None and index not in self._left:
-                    self._senders[index].put(kind, *args)
-        else:
-            with self._lock:
-                for index, sender in enumerate(self._senders):
-                    if index not in self._left:
-                        sender.put(kind, *args)
+    def __call__(self, message: EngineMessage) -> None:
+        """Route one of the loop's messages (module docstring); the loop's thread."""
+        match message:
+            case StepOutputs(outputs, stats, now):
+                self._step(outputs, stats, now)
+            case RequestFailed(request_id):
+                with self._lock:
+                    index = self._owners.pop(request_id, None)
+                    if index is not None and index not in self._left:
+                        self._senders[index].put(message)
+            case _:
+                with self._lock:
+                    for index, sender in enumerate(self._senders):
+                        if index not in self._left:
+                            sender.put(message)
         self._cut_stuck()
 
-    def _step(self, outputs: list, stats: dict, now: float) -> None:
+    def _step(self, outputs: list[EngineOutput], stats: dict, now: float) -> None:
         groups: dict[int, list] = {}
         idle = not stats.get("num_running") and not stats.get("num_waiting")
         with self._lock:
@@ -260,7 +285,7 @@ class FrontendRouter:
                 if group is None and index != 0 and not idle:
                     if now - self._last_sent[index] < STATS_EVERY_S:
                         continue  # nothing of its own: the counters now and then
-                sender.put("step", group or [], stats, now)
+                sender.put(StepOutputs(group or [], stats, now))
                 self._last_sent[index] = now
 
     def _cut_stuck(self) -> None:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.output_processor import OutputProcessor, RequestOutput
+from fastdeploy.entrypoints.engine_client.output_processor import OutputProcessor, RequestOutput
 
 
 class LLM:

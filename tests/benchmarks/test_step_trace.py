@@ -134,20 +134,21 @@ def test_the_engine_loop_of_a_server_records_drain_stats_and_emit(tmp_path):
     before it, the counters read after it and the send of its message."""
     script = (
         "import multiprocessing, queue, threading\n"
-        "from fastdeploy.engine.engine_core_proc import _Emitter\n"
-        "from fastdeploy.engine.engine_loop import AddRequest, EngineLoop, StopLoop\n"
+        "from fastdeploy.core.messages import AddRequest, StepOutputs, StopLoop\n"
+        "from fastdeploy.engine.engine_core_proc import PipeEmitter\n"
+        "from fastdeploy.engine.engine_loop import EngineLoop\n"
         "commands = queue.SimpleQueue()\n"
         "recv, send = multiprocessing.Pipe(duplex=False)\n"
         "def read():\n"
         "    while True:\n"
-        "        kind, *args = recv.recv()\n"
-        "        if kind == 'step' and any(o.finished for o in args[0]):\n"
+        "        m = recv.recv()\n"
+        "        if isinstance(m, StepOutputs) and any(o.finished for o in m.outputs):\n"
         "            return commands.put(StopLoop())\n"
         "threading.Thread(target=read, daemon=True).start()\n"
         "params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
         "commands.put(AddRequest('a', [5, 6, 7], params))\n"
         "commands.put(AddRequest('b', [8, 9], params))\n"
-        "EngineLoop(llm.engine, commands, _Emitter(send, commands)).run()\n"
+        "EngineLoop(llm.engine, commands, PipeEmitter(send, commands)).run()\n"
     )
     script = "from fastdeploy.core.sampling_params import SamplingParams\n" + script
     done = run_traced(tmp_path, str(tmp_path / "tr"), script)

@@ -79,7 +79,8 @@ class _Admission:
 
 
 def start_core(text: int):
-    from fastdeploy.engine.engine_core_proc import EngineCoreProcess
+    from fastdeploy.core.messages import EngineReady
+    from fastdeploy.entrypoints.engine_client.process_client import EngineCoreProcess
 
     ctx = multiprocessing.get_context("spawn")
     core = EngineCoreProcess.__new__(EngineCoreProcess)
@@ -93,8 +94,8 @@ def start_core(text: int):
     core.proc.start()
     cmd_recv.close()
     out_send.close()
-    kind, _ = core._out.recv()
-    assert kind == "ready", kind
+    message = core._out.recv()
+    assert isinstance(message, EngineReady), message
     core.tokenizer, core.max_model_len, core.max_model_len_note = None, 10**7, None
     core.vocab_size, core.admission, core._describe = 10**7, _Admission(), {}
     return core
@@ -102,7 +103,7 @@ def start_core(text: int):
 
 async def main(n: int, prompt_len: int, text: int, max_tokens: int = 400) -> None:
     from fastdeploy.core.sampling_params import SamplingParams
-    from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(start_core(text))
     engine.start()

@@ -18,12 +18,19 @@ import time
 import pytest
 from tiny_models import tiny_llama
 
+from fastdeploy.core.messages import (
+    EngineStats,
+    RequestFailed,
+    StepOutputs,
+    portable_error,
+)
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from fastdeploy.engine.engine_core_proc import EngineCoreProcess, _Emitter, portable_error
+from fastdeploy.engine.engine_core_proc import PipeEmitter
+from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine, EngineDeadError
+from fastdeploy.entrypoints.engine_client.process_client import EngineCoreProcess
 from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -144,7 +151,7 @@ CHILD = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from test_engine_core_proc import config_of
-    from fastdeploy.engine.engine_core_proc import EngineCoreProcess
+    from fastdeploy.entrypoints.engine_client.process_client import EngineCoreProcess
 
     if __name__ == "__main__":
         core = EngineCoreProcess(*config_of({tiny_dir!r}), log_level="error")
@@ -209,12 +216,12 @@ def test_errors_that_do_not_pickle_travel_as_runtime_errors():
             pickle.dumps(message)
             sent.append(message)
 
-    emit = _Emitter(Conn(), None)
+    emit = PipeEmitter(Conn(), None)
     out = EngineOutput("r", [1], None, True, "abort", error=Unpicklable(3, 4))
-    emit("step", [out], {}, 0.0)
-    emit("fail", "r2", Unpicklable(5, 6))
-    assert isinstance(sent[0][1][0].error, RuntimeError)
-    assert "5/6" in str(sent[1][2])
+    emit(StepOutputs([out], {}, 0.0))
+    emit(RequestFailed("r2", Unpicklable(5, 6)))
+    assert isinstance(sent[0].outputs[0].error, RuntimeError)
+    assert "5/6" in str(sent[1].error)
 
 
 def test_admission_pickles_and_checks_as_the_engine_does():
@@ -258,10 +265,10 @@ def test_a_step_message_unpickles_as_the_same_plain_list_of_outputs():
         EngineOutput("b", [2, 3], [{"token_id": 2}], True, "stop", 7, 3, "ab", "x", {"k": 1}, None),
         EngineOutput("c", [], None, True, "abort", error=ValueError("gone")),
     ]
-    back = pickle.loads(pickle.dumps(("step", EngineOutputList(outputs), {}, 0.0)))
-    assert type(back[1]) is list and len(back[1]) == 3
-    assert back[1][:2] == outputs[:2]
-    assert isinstance(back[1][2].error, ValueError) and back[1][2].finish_reason == "abort"
+    back = pickle.loads(pickle.dumps(StepOutputs(EngineOutputList(outputs), {}, 0.0))).outputs
+    assert type(back) is list and len(back) == 3
+    assert back[:2] == outputs[:2]
+    assert isinstance(back[2].error, ValueError) and back[2].finish_reason == "abort"
 
 
 def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monkeypatch):
@@ -271,8 +278,8 @@ def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monke
     import queue
     import threading
 
+    from fastdeploy.core.messages import AbortRequest, StopLoop
     from fastdeploy.engine import engine_core_proc
-    from fastdeploy.engine.engine_loop import AbortRequest, StopLoop
 
     exits = []
 
@@ -290,7 +297,7 @@ def test_the_command_pipe_closing_stops_the_loop_or_ends_a_starting_engine(monke
         if started:
             ready.set()
         try:
-            engine_core_proc._pump(recv, commands, ready)
+            engine_core_proc.pump_commands(recv, commands, ready)
         except SystemExit:
             pass
         got = [commands.get_nowait() for _ in range(commands.qsize())]
@@ -305,7 +312,8 @@ def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follow
     ride along); an add and abort when idle get a stats message of their own."""
     import queue
 
-    from fastdeploy.engine.engine_loop import AbortRequest, AddRequest, EngineLoop, StopLoop
+    from fastdeploy.core.messages import AbortRequest, AddRequest, StopLoop
+    from fastdeploy.engine.engine_loop import EngineLoop
 
     commands: queue.SimpleQueue = queue.SimpleQueue()
     params = SamplingParams(max_tokens=1)
@@ -339,12 +347,12 @@ def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follow
 
     for cmd in (AddRequest("a", [1], params), AddRequest("b", [1], params), AbortRequest("b")):
         commands.put(cmd)
-    sent: list[tuple] = []
-    EngineLoop(Stub(), commands, lambda kind, *args: sent.append((kind, *args))).run()
-    assert [m[0] for m in sent] == ["stats", "step", "stats"]
-    assert [o.request_id for o in sent[1][1]] == ["a"]
-    assert sent[1][2] == {"num_running": 0, "steps": 1}
-    assert sent[2][1] == {"num_running": 0, "steps": 1}
+    sent: list = []
+    EngineLoop(Stub(), commands, sent.append).run()
+    assert [type(m) for m in sent] == [EngineStats, StepOutputs, EngineStats]
+    assert [o.request_id for o in sent[1].outputs] == ["a"]
+    assert sent[1].stats == {"num_running": 0, "steps": 1}
+    assert sent[2].stats == {"num_running": 0, "steps": 1}
 
 
 @pytest.mark.parametrize(

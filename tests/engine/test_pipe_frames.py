@@ -8,7 +8,7 @@ import pickle
 import struct
 import threading
 
-from fastdeploy.engine.pipe_frames import FrameReader
+from fastdeploy.entrypoints.engine_client.pipe_frames import FrameReader
 
 
 def test_a_message_larger_than_the_pipe_arrives_whole_over_several_reads():

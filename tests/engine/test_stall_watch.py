@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from support import ManualClock
 
-from fastdeploy.engine.stall_watch import StallWatch, check_stall_timeout
+from fastdeploy.entrypoints.engine_client.stall_watch import StallWatch, check_stall_timeout
 
 
 def test_stalled_only_past_the_threshold_while_there_is_work():

@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 
 from fastdeploy.core.sampling_params import StopLimits
-from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.app import build_app
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy.engine.async_engine import QueueFullError
+from fastdeploy.entrypoints.engine_client.async_engine import QueueFullError
 from fastdeploy.entrypoints.openai import api_server
 from fastdeploy.entrypoints.openai.api_workers import concurrency_share
 

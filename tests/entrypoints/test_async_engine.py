@@ -9,7 +9,11 @@ import pytest
 from fake_llm_engine import FakeEngine, expected_text
 
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from fastdeploy.entrypoints.engine_client.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+)
 
 
 def run(coro_fn, engine: FakeEngine, **kw):
@@ -142,7 +146,7 @@ def test_output_processing_failure_fails_only_that_request():
                 raise UnicodeDecodeError("utf-8", b"", 0, 1, "simulated")
             return self.real.process(outputs)
 
-    from fastdeploy.engine.output_processor import OutputProcessor
+    from fastdeploy.entrypoints.engine_client.output_processor import OutputProcessor
 
     engine = FakeEngine()
 

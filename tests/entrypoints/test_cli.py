@@ -177,7 +177,8 @@ def test_print_config_imports_neither_the_web_stack_nor_the_engine():
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    assert main(['serve', '--print-config']) == 0\n"
         "heavy = ['uvicorn', 'fastapi', 'fastdeploy.entrypoints.openai.app',\n"
-        "         'fastdeploy.engine.async_engine', 'fastdeploy.worker.gpu_worker']\n"
+        "         'fastdeploy.entrypoints.engine_client.async_engine',\n"
+        "         'fastdeploy.worker.gpu_worker']\n"
         "print([m for m in heavy if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

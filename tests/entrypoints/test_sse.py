@@ -12,7 +12,7 @@ import pytest
 from fake_llm_engine import FakeTokenizer
 
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.output_processor import CompletionOutput, RequestOutput
+from fastdeploy.entrypoints.engine_client.output_processor import CompletionOutput, RequestOutput
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChunkChoice,

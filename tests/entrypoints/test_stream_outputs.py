@@ -10,8 +10,12 @@ import pytest
 
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
-from fastdeploy.engine.request_stream import RequestOutputs, RequestStream
+from fastdeploy.entrypoints.engine_client.output_processor import (
+    CompletionOutput,
+    OutputProcessor,
+    RequestOutput,
+)
+from fastdeploy.entrypoints.engine_client.request_stream import RequestOutputs, RequestStream
 from fastdeploy.metrics import ServerMetrics, StepTokens
 
 

@@ -29,7 +29,10 @@ from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.sampling_params import DEFAULT_STOP_LIMITS, MAX_STOP_LIMITS, StopLimits
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, check_stall_timeout
+from fastdeploy.entrypoints.engine_client.stall_watch import (
+    DEFAULT_ENGINE_STALL_TIMEOUT_S,
+    check_stall_timeout,
+)
 from fastdeploy.entrypoints.openai.auth import mask, resolve_api_keys
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
 
@@ -395,7 +398,10 @@ def run_server(args: argparse.Namespace) -> int:
 
             core = LLMEngine(config, plan)
         else:
-            from fastdeploy.engine.engine_core_proc import EngineCoreProcess, EngineStartError
+            from fastdeploy.entrypoints.engine_client.process_client import (
+                EngineCoreProcess,
+                EngineStartError,
+            )
 
             try:
                 core = EngineCoreProcess(config, plan, args.log_level, num_frontends=count)
@@ -456,7 +462,7 @@ def serve(
     import uvicorn
 
     from fastdeploy.core.gc_heap import freeze_startup_heap
-    from fastdeploy.engine.async_engine import AsyncLLMEngine
+    from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
     from fastdeploy.entrypoints.openai.api_workers import concurrency_share
     from fastdeploy.entrypoints.openai.app import GracefulServer, build_app, check_http_stack
     from fastdeploy.metrics import ServerMetrics

@@ -183,7 +183,10 @@ def run_api_worker(
 ) -> None:
     """Main function of API server process ``index`` (1..count-1): attach to the engine
     process, serve ``sock`` until SIGTERM or the first process's end."""
-    from fastdeploy.engine.engine_core_proc import EngineCoreClient, EngineStartError
+    from fastdeploy.entrypoints.engine_client.process_client import (
+        EngineCoreClient,
+        EngineStartError,
+    )
     from fastdeploy.entrypoints.openai.api_server import serve
 
     logging.basicConfig(

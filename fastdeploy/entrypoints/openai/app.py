@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.core.sampling_params import StopLimits
-from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
 from fastdeploy.entrypoints.openai.auth import APIKeyMiddleware, mask
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_error

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from fastdeploy.core.errors import KVTransferError, KVWaitTimeoutError
 from fastdeploy.core.request import InvalidPromptError, PromptTooLongError
-from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError
+from fastdeploy.entrypoints.engine_client.async_engine import EngineDeadError, QueueFullError
 from fastdeploy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 #: ``fastdeploy:request_rejected_total`` reason (:data:`fastdeploy.metrics.REJECT_REASONS`) of

@@ -14,8 +14,12 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
-from fastdeploy.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
 from fastdeploy.engine.detokenizer import TextOffsets, TokenBytes
+from fastdeploy.entrypoints.engine_client.async_engine import (
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from fastdeploy.entrypoints.openai.errors import (
     APIError,
     api_error_from,

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
 from typing import Any
 
-from fastdeploy.engine.async_engine import RequestStream
+from fastdeploy.entrypoints.engine_client.async_engine import RequestStream
 from fastdeploy.entrypoints.openai.errors import api_error_from
 from fastdeploy.entrypoints.openai.protocol import cached_prompt_tokens
 

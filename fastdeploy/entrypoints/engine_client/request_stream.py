@@ -1,14 +1,17 @@
 """One request's outputs on the server's asyncio side: the queue the engine loop's callback fills,
 and the stream its consumer (an HTTP handler, ``AsyncLLMEngine.generate``) reads.
 
-Part of :mod:`fastdeploy.engine.async_engine`; both classes run on the asyncio thread only.
+Part of :mod:`~.async_engine`; both classes run on the asyncio thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from fastdeploy.entrypoints.engine_client.output_processor import RequestOutput
 
 
 class RequestOutputs:
@@ -30,7 +33,7 @@ class RequestOutputs:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item: Any) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
         """Queue an output (or an exception) and wake the consumer."""
         if self.last_only and not isinstance(item, BaseException):
             self._items.clear()  # nothing but outputs is queued before an error
@@ -56,19 +59,26 @@ class RequestOutputs:
                 if self._waiter is waiter:
                     self._waiter = None
 
-    def pop(self) -> Any:
+    def pop(self) -> RequestOutput | BaseException:
         """The oldest queued item."""
         return self._items.popleft()
 
-    def take(self) -> list:
+    def take(self) -> list[RequestOutput | BaseException]:
         """Every queued item, oldest first; the queue is left empty."""
         items = list(self._items)
         self._items.clear()
         return items
 
-    def put_back(self, item: Any) -> None:
+    def put_back(self, item: RequestOutput | BaseException) -> None:
         """Return ``item`` to the front of the queue."""
         self._items.appendleft(item)
+
+
+class Aborter(Protocol):
+    """What a stream tells that its consumer left (the :class:`~.async_engine.AsyncLLMEngine`)."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort the request unless it already finished."""
 
 
 class RequestStream:
@@ -82,8 +92,7 @@ class RequestStream:
     Each output is the request's own object for that step (the output processor makes new ones
     every step), so a consumer that is a few steps behind reads every step's ``delta_text``."""
 
-    def __init__(self, engine: Any, request_id: str, outputs: RequestOutputs) -> None:
-        # engine: what to call ``abort(request_id)`` on (the AsyncLLMEngine)
+    def __init__(self, engine: Aborter, request_id: str, outputs: RequestOutputs) -> None:
         self.request_id = request_id
         self._engine = engine
         self._outputs = outputs
@@ -92,7 +101,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
         await self._outputs.wait()  # cancellation-safe: no item is lost
@@ -104,7 +113,7 @@ class RequestStream:
             self._done = True
         return item
 
-    async def next_batch(self) -> list:
+    async def next_batch(self) -> list[RequestOutput]:
         """The outputs queued for this request, oldest first, waiting for at least one; ``[]``
         once the stream has ended. Raises the request's error (``ValueError`` from the engine,
         :class:`EngineDeadError`, ...) after every output that came before it was returned."""
@@ -123,7 +132,7 @@ class RequestStream:
             self._done = True
         return batch
 
-    async def final(self) -> Any:
+    async def final(self) -> RequestOutput | None:
         """The finished output, skipping the ones before it (a non-streaming response): the
         consumer is woken once, when the request ends, not at every step. Raises what
         :meth:`next_batch` raises; None if the stream had already ended."""

@@ -1,9 +1,9 @@
 """Asynchronous front of the engine for the API server.
 
 The engine's step loop (:class:`~fastdeploy.engine.engine_loop.EngineLoop`) runs either in a
-process of its own (:class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`, the server's
-default) or on one background thread of the server process
-(:class:`~fastdeploy.engine.engine_loop.ThreadCore`: ``--disable-frontend-multiprocessing``, and
+process of its own (:class:`~.process_client.EngineCoreProcess`, the server's default) or on one
+background thread of the server process (:class:`~.thread_core.ThreadCore`:
+``--disable-frontend-multiprocessing``, and
 any engine object passed in directly, such as the tests' stand-ins). Everything else
 (tokenisation, chat templates, HTTP and SSE streaming) runs on the server's asyncio thread.
 
@@ -22,7 +22,7 @@ the small SmolLM2-135M model on an H200 the step is itself host-bound: 64 stream
 37,998 to 42,033 offline (README, Benchmarks).
 
 The hand-off is kept small: one message per step, each request's new output object handed over
-as it is (no copies; see :mod:`~fastdeploy.engine.output_processor`), one wake-up per stream, the
+as it is (no copies; see :mod:`~.output_processor`), one wake-up per stream, the
 step's token metrics recorded at once; the SSE chunks are encoded from templates
 (:mod:`~fastdeploy.entrypoints.openai.sse`). ``benchmarks/benchmark_server_overhead.py`` measures
 it.
@@ -37,23 +37,37 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.engine_core_proc import EngineCoreClient
-from fastdeploy.engine.engine_loop import (
-    IDLE_WAIT_S,
+from fastdeploy.core.messages import (
     AbortRequest,
     AddRequest,
+    Command,
+    Emit,
+    EngineDead,
+    EngineMessage,
+    EngineStats,
+    PrefillTrustCheck,
+    RequestFailed,
+    StepOutputs,
     StopLoop,
-    ThreadCore,
-    Wake,
 )
-from fastdeploy.engine.request_stream import RequestOutputs, RequestStream
-from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, StallWatch
+from fastdeploy.core.outputs import EngineOutput
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.engine_client.output_processor import OutputProcessor, RequestOutput
+from fastdeploy.entrypoints.engine_client.process_client import EngineCoreClient
+from fastdeploy.entrypoints.engine_client.request_stream import RequestOutputs, RequestStream
+from fastdeploy.entrypoints.engine_client.stall_watch import (
+    DEFAULT_ENGINE_STALL_TIMEOUT_S,
+    StallWatch,
+)
+from fastdeploy.entrypoints.engine_client.thread_core import LocalEngine, ThreadCore
 from fastdeploy.metrics import ServerMetrics, StepTokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +95,57 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shutdown or a failed step); no request can make progress."""
 
 
-# The commands and the idle wait live with the loop; re-exported for callers that knew them here.
 __all__ = [
-    "AbortRequest", "AddRequest", "AsyncLLMEngine", "EngineDeadError", "IDLE_WAIT_S",
-    "QueueFullError", "StopLoop", "Wake",
+    "AsyncLLMEngine", "EngineCore", "EngineDeadError", "QueueFullError", "RequestStream",
 ]  # fmt: skip
+
+
+class EngineCore(Protocol):
+    """Where the engine loop runs, as :class:`AsyncLLMEngine` drives it: in a process of its
+    own (:class:`~.process_client.EngineCoreClient`) or on a thread here
+    (:class:`~.thread_core.ThreadCore`)."""
+
+    tokenizer: PreTrainedTokenizerBase | None
+    max_model_len: int
+    max_model_len_note: str | None
+    vocab_size: int
+
+    @property
+    def splitwise_role(self) -> str:
+        """``mixed``, ``prefill`` or ``decode``."""
+
+    @property
+    def pd_trust(self) -> PrefillTrustCheck | None:
+        """A decode node's trusted prefill nodes; None elsewhere."""
+
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> Any:
+        """The admission check; ``ValueError`` naming what is wrong."""
+
+    def describe(self) -> dict:
+        """``{"config": ..., "graph_plan": ...}`` as dicts."""
+
+    def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the loop (or its reader); ``emit`` is then called on ``loop``'s thread."""
+
+    def send(self, cmd: Command) -> None:
+        """Send a command (any thread)."""
+
+    def is_alive(self) -> bool:
+        """Whether the loop may still answer."""
+
+    def join(self, timeout_s: float) -> bool:
+        """After ``StopLoop``: wait up to ``timeout_s`` seconds; True when it ended."""
+
+    def close(self) -> None:
+        """Release what is held (after :meth:`join` returned True)."""
+
+    def kill(self) -> None:
+        """Give up on the loop now."""
 
 
 @dataclass
@@ -116,7 +176,7 @@ class AsyncLLMEngine:
         metrics: where to record; a fresh :class:`ServerMetrics` by default.
         engine_stall_timeout_s: seconds without a finished step, while there is work, after
             which :meth:`stall_reason` reports the engine as stalled (``/health`` answers 503);
-            None or 0: never (:mod:`~fastdeploy.engine.stall_watch`).
+            None or 0: never (:mod:`~.stall_watch`).
 
     Raises:
         ValueError: a bad ``engine_stall_timeout_s``.
@@ -124,8 +184,8 @@ class AsyncLLMEngine:
 
     def __init__(
         self,
-        engine: Any,
-        output_processor: Any = None,
+        engine: EngineCoreClient | LocalEngine,
+        output_processor: OutputProcessor | None = None,
         max_concurrency: int | None = None,
         metrics: ServerMetrics | None = None,
         engine_stall_timeout_s: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S,
@@ -133,12 +193,10 @@ class AsyncLLMEngine:
         self._stall = StallWatch(engine_stall_timeout_s)
         self._stall_logged: str | None = None
         if output_processor is None:
-            from fastdeploy.engine.output_processor import OutputProcessor
-
             output_processor = OutputProcessor()
         self.engine = engine
         core = engine if isinstance(engine, EngineCoreClient) else ThreadCore(engine)
-        self._core: EngineCoreClient | ThreadCore = core
+        self._core: EngineCore = core
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
         self.max_model_len_note: str | None = core.max_model_len_note
@@ -153,11 +211,11 @@ class AsyncLLMEngine:
         self._started = False
         self._dead: BaseException | None = None
         self.stats: dict = {}
-        self._handlers = {
-            "stats": self._on_stats,
-            "step": self._on_step,
-            "fail": self._fail,
-            "dead": self._on_dead,
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EngineStats: self._on_stats_message,
+            StepOutputs: self._on_step_message,
+            RequestFailed: self._on_failed_message,
+            EngineDead: self._on_dead_message,
         }
 
     # ---------------------------------------------------------------- lifecycle (asyncio side)
@@ -182,22 +240,14 @@ class AsyncLLMEngine:
     def splitwise_role(self) -> str:
         """The engine's PD role: ``mixed``, ``prefill`` or ``decode`` (``mixed`` for an engine
         that does not say)."""
-        admission = getattr(self._core, "admission", None)  # the engine in its own process
-        if admission is not None:
-            return admission.splitwise_role
-        config = getattr(getattr(self._core, "engine", None), "config", None)  # ThreadCore
-        return config.parallel_config.splitwise_role if config is not None else "mixed"
+        return self._core.splitwise_role
 
     @property
-    def pd_trust(self) -> Any:
+    def pd_trust(self) -> PrefillTrustCheck | None:
         """On a decode node, the :class:`~fastdeploy.splitwise.pd_auth.PrefillTrust` its
         admission checks decode legs with (None elsewhere, or for an engine that does not
         say)."""
-        admission = getattr(self._core, "admission", None)
-        if admission is not None:
-            return getattr(admission, "pd_trust", None)
-        pd = getattr(getattr(self._core, "engine", None), "pd", None)  # ThreadCore
-        return getattr(pd, "trust", None)
+        return self._core.pd_trust
 
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
@@ -285,7 +335,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         prompt: str | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's ``RequestOutput`` objects (one per step with new tokens).
 
         If the consumer goes away (``CancelledError``, ``GeneratorExit``) the request is aborted
@@ -320,18 +370,30 @@ class AsyncLLMEngine:
         return len(self._tracked)
 
     # ---------------------------------------------------------------- engine side
-    def _dispatch(self, kind: str, *args: Any) -> None:
-        """A message of the engine loop (see :mod:`~fastdeploy.engine.engine_loop`); the core
-        calls this on the asyncio thread."""
-        self._handlers[kind](*args)
+    def _dispatch(self, message: EngineMessage) -> None:
+        """A message of the engine loop (:mod:`fastdeploy.core.messages`), handled by its type;
+        the core calls this on the asyncio thread."""
+        self._handlers[type(message)](message)
 
     # ---------------------------------------------------------------- callbacks (asyncio side)
+    def _on_stats_message(self, message: EngineStats) -> None:
+        self._on_stats(message.stats)
+
+    def _on_step_message(self, message: StepOutputs) -> None:
+        self._on_step(message.outputs, message.stats, message.now)
+
+    def _on_failed_message(self, message: RequestFailed) -> None:
+        self._fail(message.request_id, message.error)
+
+    def _on_dead_message(self, message: EngineDead) -> None:
+        self._on_dead(message.error)
+
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
         self._stall.progress(bool(stats.get("num_running") or stats.get("num_waiting")))
         self.metrics.observe_stats(stats)
 
-    def _on_step(self, outputs: list, stats: dict, now: float) -> None:
+    def _on_step(self, outputs: list[EngineOutput], stats: dict, now: float) -> None:
         """Accumulate one step's outputs and hand each to its stream (one wake-up per stream);
         the step's token metrics are recorded at once."""
         self._on_stats(stats)
@@ -368,7 +430,9 @@ class AsyncLLMEngine:
                 self.metrics.observe_finish(reason, now - tracked.arrival)
         self.metrics.observe_step_tokens(tokens)
 
-    def _record_tokens(self, tracked: _Tracked, ro: Any, now: float, tokens: StepTokens) -> None:
+    def _record_tokens(
+        self, tracked: _Tracked, ro: RequestOutput, now: float, tokens: StepTokens
+    ) -> None:
         """Count one output's new tokens into ``tokens`` (and its TTFT, for a first token)."""
         num_new = len(ro.outputs[0].delta_token_ids)
         if num_new <= 0:
