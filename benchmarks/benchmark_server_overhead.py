@@ -2,7 +2,7 @@
 
 The model is replaced by a synthetic engine whose step takes ``--step-ms`` of GIL-free sleep (the
 time a GPU step would wait on the device) and then does the engine's real per-token host work:
-the :class:`~fastdeploy.engine.stop_checker.StopChecker` with the real tokenizer's incremental
+the :class:`~fastdeploy.core.stop_checker.StopChecker` with the real tokenizer's incremental
 detokenizer. Everything after ``engine.step()`` is the real server: ``AsyncLLMEngine``, the
 OpenAI handlers, FastAPI/uvicorn. One command (64 streams, 256 in, 128 out, seed 0, the default
 GGUF's tokenizer, a warm-up of 8 requests first)::
@@ -62,7 +62,7 @@ from sse_client import p50_ms  # noqa: E402
 
 from fastdeploy.core.outputs import EngineOutput  # noqa: E402
 from fastdeploy.core.request import Request, check_prompt, check_sampling  # noqa: E402
-from fastdeploy.engine.stop_checker import StopChecker  # noqa: E402
+from fastdeploy.core.stop_checker import StopChecker  # noqa: E402
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Serving engines stream tokens to many clients "

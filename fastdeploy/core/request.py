@@ -135,7 +135,7 @@ class Request:
 
     Runtime state set by the engine, which survives preemption with the request:
     ``eos_token_ids`` (the model's eos ids) and ``detokenizer`` (its incremental detokenizer,
-    an ``engine.detokenizer.IncrementalDetokenizer`` or None without a tokenizer).
+    an ``core.detokenizer.IncrementalDetokenizer`` or None without a tokenizer).
 
     Prompt log-probabilities (``sampling_params.prompt_logprobs``): ``prompt_logprobs`` holds
     the entries computed so far (``[None]`` for position 0, then one dict per prompt position, see

@@ -1,7 +1,7 @@
 """The engine core: admission, the step loop, stop conditions.
 
 ``LLMEngine.step()`` asks the scheduler for a batch, runs it on the worker, appends the sampled
-tokens, and lets the :class:`~fastdeploy.engine.stop_checker.StopChecker` decide, token by token,
+tokens, and lets the :class:`~fastdeploy.core.stop_checker.StopChecker` decide, token by token,
 which requests have ended (eos, stop token ids, stop strings, ``max_tokens``, ``max_model_len``,
 all under ``min_tokens``) and what text they add. Detokenisation runs here, on the engine's
 thread (about 0.8 us per token), because the stop decision needs the text: a request that hits a
@@ -120,7 +120,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         """Load the model, size and allocate the KV cache, capture graphs, build the scheduler
         and the PD role (the rest of ``__init__``, undone by the caller if it raises)."""
         from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager, fit_max_model_len
-        from fastdeploy.engine.stop_checker import StopChecker
+        from fastdeploy.core.stop_checker import StopChecker
         from fastdeploy.scheduler.scheduler import Scheduler
 
         cache = self.config.cache_config
@@ -354,7 +354,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         tokens and text. Without the overlap schedule that is this step; with it, the previous
         one (this one runs on while the host returns; see :mod:`fastdeploy.engine.overlap`).
 
-        A request the :class:`~fastdeploy.engine.stop_checker.StopChecker` ends is finished in
+        A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns.
         """
         outputs = self._pd_step(time.monotonic()) if self.pd is not None else []

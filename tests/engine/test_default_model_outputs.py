@@ -8,7 +8,7 @@ import pytest
 from support import record_preemptions
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.detokenizer import TokenBytes
+from fastdeploy.core.detokenizer import TokenBytes
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ The tokenizer is character-level (token id = code point, vocabulary 0..255, eos 
 output is a fixed function of its prompt, so a batched request must produce exactly what it
 produces alone. Each step emits one token per running request; ``step_delay_s`` makes steps slow
 enough to disconnect in the middle of a stream. Which requests end, and the text they add, is
-decided by the engine's real :class:`~fastdeploy.engine.stop_checker.StopChecker`.
+decided by the engine's real :class:`~fastdeploy.core.stop_checker.StopChecker`.
 ``prefix_block_size`` turns on a stand-in prefix cache: a request reports as
 ``num_cached_tokens`` the longest run of whole blocks of its prompt that an earlier request's
 prompt began with (at most ``len(prompt) - 1`` tokens, as the real cache).
@@ -18,7 +18,7 @@ import time
 from fastdeploy.config import FDConfig
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request, RequestStatus, check_prompt, check_sampling
-from fastdeploy.engine.stop_checker import StopChecker
+from fastdeploy.core.stop_checker import StopChecker
 
 
 class FakeTokenizer:

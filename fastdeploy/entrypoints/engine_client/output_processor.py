@@ -1,7 +1,7 @@
 """Engine outputs into cumulative request outputs, for the front ends (``LLM``, the server).
 
 The engine already decided which requests ended and cut their text at stop strings (the
-:class:`~fastdeploy.engine.stop_checker.StopChecker` is the one owner of that decision); this
+:class:`~fastdeploy.core.stop_checker.StopChecker` is the one owner of that decision); this
 module only accumulates each request's tokens, text and logprobs, step after step, and exposes
 what the last step added (for streaming).
 

@@ -1,7 +1,7 @@
 """Logprobs in OpenAI's two response formats, from the tokenizer's own token bytes.
 
 Engine entries are ``{"token_id", "logprob", "top_logprobs": [(id, logprob), ...]}``. Token strings
-and ``bytes`` come from :class:`~fastdeploy.engine.detokenizer.TokenBytes` (never from decoding one
+and ``bytes`` come from :class:`~fastdeploy.core.detokenizer.TokenBytes` (never from decoding one
 token alone), so tokens that hold part of a UTF-8 character keep distinct, exact bytes.
 
 Both functions return plain JSON-ready values with the fields, in order, of the protocol models
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastdeploy.engine.detokenizer import TOKEN_ID_PREFIX, TextOffsets, TokenBytes
+from fastdeploy.core.detokenizer import TOKEN_ID_PREFIX, TextOffsets, TokenBytes
 
 
 def _token(token_bytes: TokenBytes | None, token_id: int) -> tuple[str, list[int] | None]:
@@ -57,7 +57,7 @@ def completion_logprobs(
     chosen token when it is not among them. Token strings come from the token's own bytes, so
     different tokens have different keys; should two still read the same (a tokenizer whose
     tokens share text), the later one is keyed ``token_id:N``. ``text_offset`` counts characters
-    of the output text (see :class:`~fastdeploy.engine.detokenizer.TextOffsets`; pass one per
+    of the output text (see :class:`~fastdeploy.core.detokenizer.TextOffsets`; pass one per
     response so a stream's chunks continue it; None: all 0). Returns a ``CompletionLogprobs`` as
     a dict: ``{"text_offset", "token_logprobs", "tokens", "top_logprobs"}``.
     """

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.core.detokenizer import TextOffsets
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.detokenizer import TextOffsets
 from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import (
     completion_logprobs,

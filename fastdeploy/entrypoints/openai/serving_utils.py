@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
+from fastdeploy.core.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
-from fastdeploy.engine.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.entrypoints.engine_client.async_engine import (
     EngineDeadError,
     QueueFullError,

@@ -4,7 +4,7 @@
 (the ``tokenizers`` library's ``DecodeStream`` where the tokenizer has a fast backend, about
 0.8 us per token with SmolLM2's tokenizer on CPU; else re-decoding the whole output). It lives on
 the :class:`~fastdeploy.core.request.Request`, so it survives preemption, and the engine's
-:class:`~fastdeploy.engine.stop_checker.StopChecker` drives it.
+:class:`~fastdeploy.core.stop_checker.StopChecker` drives it.
 
 :class:`TokenBytes` gives the bytes a token stands for, read from the tokenizer's own vocabulary
 (byte-level BPE symbols mapped back to bytes, SentencePiece ``<0xNN>`` byte tokens and ``▁``),

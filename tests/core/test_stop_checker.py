@@ -11,7 +11,7 @@ import pytest
 
 from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.stop_checker import StopChecker, find_stop_string
+from fastdeploy.core.stop_checker import StopChecker, find_stop_string
 
 EOS = 0
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastdeploy.core.detokenizer import IncrementalDetokenizer
 from fastdeploy.core.request import Request, RequestStatus
-from fastdeploy.engine.detokenizer import IncrementalDetokenizer
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
