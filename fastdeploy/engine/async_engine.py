@@ -200,7 +200,8 @@ class AsyncLLMEngine:
         return getattr(pd, "trust", None)
 
     def describe(self) -> dict:
-        """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
+        """The engine's resolved ``config`` and ``deployment_plan`` as dicts (for
+        /v1/server_info)."""
         return self._core.describe()
 
     @property

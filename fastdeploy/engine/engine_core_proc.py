@@ -52,8 +52,7 @@ from fastdeploy.engine.engine_loop import Command, Emit, EngineLoop, StopLoop
 from fastdeploy.engine.pipe_frames import FrameReader
 
 if TYPE_CHECKING:
-    from fastdeploy.config import FDConfig
-    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+    from fastdeploy.config import DeploymentPlan, FDConfig
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class EngineCoreClient:
         self.vocab_size: int = self.admission.vocab_size
         #: The engine process's pid (for ``/v1/server_info``: what to watch or signal).
         self.engine_pid: int | None = info.get("pid")
-        self._describe = {"config": info["config"], "graph_plan": info["graph_plan"]}
+        self._describe = {"config": info["config"], "deployment_plan": info["deployment_plan"]}
 
     def _engine_alive(self) -> bool:
         """Whether the engine process may still answer (its own process can tell; a front end
@@ -170,7 +169,7 @@ class EngineCoreClient:
         return self.admission.check(prompt_token_ids, sampling_params, kv_transfer_params)
 
     def describe(self) -> dict:
-        """``{"config": ..., "graph_plan": ...}`` as the engine process resolved them."""
+        """``{"config": ..., "deployment_plan": ...}`` as the engine process runs them."""
         return dict(self._describe)
 
     def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
@@ -280,7 +279,7 @@ class EngineCoreProcess(EngineCoreClient):
     Args:
         config: a resolved config (``EngineArgs.create_engine_config``); pickled to the engine
             process.
-        graph_plan: its graph plan.
+        plan: its deployment plan (``fastdeploy.config.resolve.resolve_deployment``).
         log_level: the engine process's logging level (``info``, ``debug``, ...).
         num_frontends: API server processes the engine serves (``--api-server-count``): this
             one, plus ``num_frontends - 1`` whose pipes are in :attr:`extra_frontends`.
@@ -295,7 +294,7 @@ class EngineCoreProcess(EngineCoreClient):
     def __init__(
         self,
         config: FDConfig,
-        graph_plan: GraphPlan,
+        plan: DeploymentPlan,
         log_level: str = "info",
         num_frontends: int = 1,
     ) -> None:
@@ -310,7 +309,7 @@ class EngineCoreProcess(EngineCoreClient):
         self.extra_frontends = [(c_send, o_recv) for (_, c_send), (o_recv, _) in extra]
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(config, graph_plan, log_level, cmd_recv, out_send),
+            args=(config, plan, log_level, cmd_recv, out_send),
             kwargs={"extra_frontends": [(c_recv, o_send) for (c_recv, _), (_, o_send) in extra]},
             name="fastdeploy-engine-core",
         )
@@ -378,13 +377,13 @@ def _cpu_wait_policy(device: str):
 # ---------------------------------------------------------------------- engine process
 def run_engine_core(
     config: FDConfig,
-    graph_plan: GraphPlan,
+    plan: DeploymentPlan,
     log_level: str,
     cmd_conn: Any,
     out_conn: Any,
     extra_frontends: list[tuple[Any, Any]] = (),
 ) -> None:
-    """Main function of the engine process: build ``LLMEngine(config, graph_plan)``, report
+    """Main function of the engine process: build ``LLMEngine(config, plan)``, report
     ``ready`` (or ``error``), run the loop until ``StopLoop`` or the server's end-of-file, then
     release the engine.
 
@@ -418,7 +417,7 @@ def run_engine_core(
 
     flush = getattr(emit, "close", lambda: None)  # the router's sending threads
     try:
-        engine = LLMEngine(config, graph_plan)
+        engine = LLMEngine(config, plan)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which prints it
         if not isinstance(e, (ValueError, OSError)):
             logger.exception("the engine failed to start")
@@ -432,7 +431,7 @@ def run_engine_core(
             {
                 "admission": engine.admission(),
                 "config": engine.config.to_dict(),
-                "graph_plan": engine.graph_plan.to_dict(),
+                "deployment_plan": engine.plan.to_dict(),
                 "pid": os.getpid(),
             },
         )

@@ -165,7 +165,7 @@ class ThreadCore:
     Args:
         engine: what :class:`EngineLoop` drives; its attributes ``tokenizer``,
             ``max_model_len``, ``vocab_size`` (``max_model_len_note``, ``config`` and
-            ``graph_plan`` when it has them) and ``check_request`` are read by the server.
+            ``plan`` when it has them) and ``check_request`` are read by the server.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -184,12 +184,13 @@ class ThreadCore:
         return self.engine.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
 
     def describe(self) -> dict:
-        """``{"config": ..., "graph_plan": ...}`` as dicts (empty for a stand-in without them)."""
+        """``{"config": ..., "deployment_plan": ...}`` as dicts (empty for a stand-in without
+        them)."""
         out = {}
-        for name in ("config", "graph_plan"):
+        for key, name in (("config", "config"), ("deployment_plan", "plan")):
             value = getattr(self.engine, name, None)
             if value is not None:
-                out[name] = value.to_dict()
+                out[key] = value.to_dict()
         return out
 
     def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
