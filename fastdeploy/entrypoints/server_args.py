@@ -18,6 +18,7 @@ from fastdeploy import envs
 from fastdeploy.core.sampling_params import DEFAULT_STOP_LIMITS, MAX_STOP_LIMITS, StopLimits
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.stall_watch import DEFAULT_ENGINE_STALL_TIMEOUT_S, check_stall_timeout
+from fastdeploy.entrypoints.openai.auth import mask
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
 
 #: Name served when ``--model`` is not given (the bundled default model).
@@ -235,11 +236,17 @@ class FlagRule:
         return f"{name}={value} is invalid{self.context}; allowed: {self.allowed(args)}"
 
 
+def _stall_timeout_holds(args: argparse.Namespace) -> bool:
+    """``--engine-stall-timeout``'s rule is its owner's (``check_stall_timeout``), which raises."""
+    check_stall_timeout(args.engine_stall_timeout)
+    return True
+
+
 #: The rules on the server's own flags, checked in order by :func:`check_server_args` (the
 #: engine's flags are checked by the config they build).
 SERVER_FLAG_RULES: tuple[FlagRule, ...] = (
     FlagRule("max_concurrency", lambda a: a.max_concurrency >= 1, lambda a: "an integer >= 1"),
-    FlagRule("engine_stall_timeout", lambda a: _stall_timeout_holds(a), lambda a: ""),
+    FlagRule("engine_stall_timeout", _stall_timeout_holds, lambda a: ""),
     FlagRule(
         "api_server_count",
         lambda a: 1 <= a.api_server_count <= a.max_concurrency,
@@ -269,12 +276,6 @@ def check_server_args(args: argparse.Namespace) -> None:
     request_limits(args)
 
 
-def _stall_timeout_holds(args: argparse.Namespace) -> bool:
-    """``--engine-stall-timeout``'s rule is its owner's (``check_stall_timeout``), which raises."""
-    check_stall_timeout(args.engine_stall_timeout)
-    return True
-
-
 def server_not_supported(args: argparse.Namespace, splitwise_role: str) -> list[str]:
     """One sentence per server flag this deployment cannot run yet (``--print-config`` lists
     them; start-up refuses them)."""
@@ -292,8 +293,6 @@ def server_summary(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError: a request limit out of range, naming its flag.
     """
-    from fastdeploy.entrypoints.openai.auth import mask
-
     server = {
         "host": args.host,
         "port": args.port,
