@@ -7,8 +7,8 @@ all under ``min_tokens``) and what text they add. Detokenisation runs here, on t
 thread (about 0.8 us per token), because the stop decision needs the text: a request that hits a
 stop string frees its KV blocks in the same step, and the front ends only pass text on.
 
-Where the graph plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule`` turns
-it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
+Where the deployment plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule``
+turns it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
 while the device computes; :mod:`fastdeploy.engine.overlap` says how stop conditions, aborts and
 preemption stay exact.
 

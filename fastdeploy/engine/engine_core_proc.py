@@ -11,7 +11,7 @@ Wire: two one-way pipes (``multiprocessing.Pipe``; the ``spawn`` start method, w
 needs). Commands (``AddRequest``, ``AbortRequest``, ``StopLoop``) go down; the loop's messages
 (``stats``, ``step``, ``fail``, ``dead``) come up, one per step, pickled. Before the loop starts
 the engine process sends ``("ready", info)`` (the :class:`~fastdeploy.engine.admission.Admission`
-requests are checked against, the resolved config and graph plan) or ``("error", exception)``
+requests are checked against, the resolved config and deployment plan) or ``("error", exception)``
 when the engine could not start.
 
 Several API server processes (``--api-server-count N``, vLLM's flag): each has its own two pipes

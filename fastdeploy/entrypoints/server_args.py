@@ -57,7 +57,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved configuration and graph plan as JSON and exit "
+        help="print the resolved configuration and deployment plan as JSON and exit "
         "without loading weights",
     )
     server.add_argument(

@@ -79,8 +79,8 @@ WARMED_UP = GpuWorker.graph_optimize_and_warm_up_model.__name__
 def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     """The body of a rank process (module level, so that ``spawn`` can pickle it).
 
-    The graph plan comes from rank 0 right after the rendezvous (never re-derived here, also not
-    on another node), so every rank captures the same buckets in the same order.
+    The deployment plan comes from rank 0 right after the rendezvous (never re-derived here, also
+    not on another node), so every rank captures the same buckets in the same order.
 
     Args:
         rank: global rank (>= 1); ``rank % ranks_per_node`` is the CUDA device index.
