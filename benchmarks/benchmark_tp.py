@@ -125,7 +125,7 @@ def measure(args, model_dir: str, tp: int, fusion: bool) -> dict:
         device=args.device,
     )
     try:
-        plan = engine.graph_plan
+        plan = engine.plan
         result = {
             "attention": engine.worker.runner.attn_backend.name,
             "fusion_reasons": [r for r in plan.reasons if r.startswith("allreduce fusion")],

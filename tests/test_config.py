@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,11 @@ import pytest
 from fastdeploy import envs
 from fastdeploy.config import (
     CacheConfig,
+    DeploymentPlan,
     DeviceConfig,
     FDConfig,
     GraphOptimizationConfig,
+    GraphPlan,
     ModelConfig,
     SchedulerConfig,
 )
@@ -262,3 +265,50 @@ def test_fd_log_level_sets_the_fastdeploy_logger(value, level):
     assert int(out[0]) == level
     if level:
         assert int(out[1]) == level
+
+
+# ---------------------------------------------------------------- the deployment plan
+def _plan(**kwargs) -> DeploymentPlan:
+    graph = GraphPlan(
+        decode_graphs=True,
+        prefill_graphs=False,
+        decode_capture_sizes=[4, 2, 1],
+        prefill_capture_sizes=[],
+        reasons=["prefill graphs off: full_cuda_graph=true"],
+    )
+    return DeploymentPlan(graph=graph, **kwargs)
+
+
+def test_deployment_plan_round_trips_through_json_and_is_frozen():
+    plan = _plan(
+        allreduce_fusion=True, allreduce_fusion_max_tokens=512, reasons=("allreduce fusion on",)
+    )
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert set(data) == {
+        "graph",
+        "overlap_schedule",
+        "allreduce_fusion",
+        "allreduce_fusion_max_tokens",
+        "reasons",
+    }
+    assert DeploymentPlan.from_dict(data) == plan
+    assert plan.all_reasons == ["prefill graphs off: full_cuda_graph=true", "allreduce fusion on"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.overlap_schedule = True  # type: ignore[misc]
+    assert "overlap schedule: off" in plan.describe() and "decode graphs (full): on" in (
+        plan.describe()
+    )
+
+
+def test_deployment_plan_refuses_unknown_keys_and_inconsistency():
+    data = _plan().to_dict()
+    with pytest.raises(
+        ValueError, match=r"unknown deployment plan key 'overlap'.*overlap_schedule"
+    ):
+        DeploymentPlan.from_dict({**data, "overlap": True})
+    with pytest.raises(ValueError, match=r"allreduce_fusion_max_tokens=0 is invalid"):
+        _plan(allreduce_fusion=True)
+    with pytest.raises(ValueError, match=r"allreduce_fusion_max_tokens=8 is invalid"):
+        _plan(allreduce_fusion_max_tokens=8)
+    with pytest.raises(ValueError, match=r"overlap_schedule=1 is invalid"):
+        _plan(overlap_schedule=1)

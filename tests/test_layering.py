@@ -32,6 +32,20 @@ RANKS = {
     "entrypoints": 5,
     "router": 5,
 }
+#: Modules ranked apart from their folder. ``config.resolve`` resolves a whole deployment (the
+#: model's config, the attention backends, the graph policy, flashinfer's comm module): it ranks
+#: with the engine, so only the engine and the entry points may import it.
+MODULE_RANKS = {"config.resolve": RANKS["engine"]}
+
+
+def rank_of(module: str) -> int:
+    """The rank of ``module`` (dotted, without ``fastdeploy.``): its own, else its folder's."""
+    for name, rank in MODULE_RANKS.items():
+        if module == name or module.startswith(name + "."):
+            return rank
+    return RANKS[module.split(".")[0]]
+
+
 #: Extra rules stricter than the ranks: (importer prefix, forbidden prefixes).
 FORBIDDEN = [
     ("model_executor.graph_optimization", ("worker", "scheduler", "engine", "entrypoints")),
@@ -76,7 +90,7 @@ def violations() -> list[str]:
             if target_top not in RANKS or top not in RANKS:
                 bad.append(f"{path.name}:{line}: unranked part {target_top!r} or {top!r}")
                 continue
-            if RANKS[target_top] > RANKS[top]:
+            if rank_of(target) > rank_of(here):
                 bad.append(f"fastdeploy.{here}:{line} imports {name} (a higher layer)")
             for prefix, forbidden in FORBIDDEN:
                 if here == prefix or here.startswith(prefix + "."):

@@ -7,7 +7,10 @@ runtime objects, never here. Field names follow FastDeploy's public ones.
 
 One module per concern: ``checks`` (the ``check`` helper and validators), ``model`` (model and
 weight loading), ``cache``, ``parallel``, ``splitwise``, ``scheduler``, ``device``, ``graph``
-(CUDA graphs) and ``fd_config`` (:class:`FDConfig`, the whole). Import the names from here.
+(CUDA graphs), ``fd_config`` (:class:`FDConfig`, the whole) and ``plan`` (:class:`DeploymentPlan`
+and its :class:`GraphPlan`, resolved from a config). Import the names from here.
+``fastdeploy.config.resolve`` (``resolve_deployment``) is imported by its full name: it reaches the
+layers above (see its docstring).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from fastdeploy.config.fd_config import FDConfig
 from fastdeploy.config.graph import GraphOptimizationConfig
 from fastdeploy.config.model import DTYPES, LOAD_FORMATS, LoadConfig, ModelConfig
 from fastdeploy.config.parallel import SPLITWISE_ROLES, ParallelConfig
+from fastdeploy.config.plan import DeploymentPlan, GraphPlan
 from fastdeploy.config.scheduler import SchedulerConfig
 from fastdeploy.config.splitwise import (
     CACHE_TRANSFER_PROTOCOLS,
@@ -36,9 +40,11 @@ __all__ = [
     "SPLITWISE_ROLES",
     "SWAP_IN_MODES",
     "CacheConfig",
+    "DeploymentPlan",
     "DeviceConfig",
     "FDConfig",
     "GraphOptimizationConfig",
+    "GraphPlan",
     "LoadConfig",
     "ModelConfig",
     "ParallelConfig",

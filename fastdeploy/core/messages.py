@@ -167,13 +167,13 @@ class EngineReady(_Message):
     Attributes:
         admission: what requests are checked against in the server process.
         config: the resolved ``FDConfig.to_dict()``.
-        graph_plan: the resolved ``GraphPlan.to_dict()``.
+        deployment_plan: the engine's ``DeploymentPlan.to_dict()``.
         pid: the engine process's pid.
     """
 
     admission: AdmissionCheck
     config: dict
-    graph_plan: dict
+    deployment_plan: dict
     pid: int
 
 

@@ -3,7 +3,8 @@
 Names follow FastDeploy's flags (``--max-num-seqs``, ``--graph-optimization-config``, ...).
 Resolution is one pass: :meth:`EngineArgs.create_engine_config` turns the arguments into a validated
 :class:`FDConfig` with the resolved model source (the model's config only, no weights), device and
-attention backend; the graph policy then runs once on that config.
+attention backend; :func:`fastdeploy.config.resolve.resolve_deployment` then plans the deployment
+once on that config. Build one ``EngineArgs`` per start.
 """
 
 from __future__ import annotations
@@ -382,7 +383,8 @@ class EngineArgs:
         (:meth:`resolve_device`) and the attention backend (``--attention-backend``, else
         ``FD_ATTENTION_BACKEND``, else the platform's default; see
         :func:`~fastdeploy.model_executor.layers.attention.selector.select_attention_backend`).
-        The graph policy then runs on the result. Does not refuse settings that are not supported
+        :func:`~fastdeploy.config.resolve.resolve_deployment` calls this, then plans the
+        deployment on the result. Does not refuse settings that are not supported
         yet (:meth:`FDConfig.check_supported` does), so their plan can still be printed.
 
         Args:

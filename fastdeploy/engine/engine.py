@@ -7,8 +7,8 @@ all under ``min_tokens``) and what text they add. Detokenisation runs here, on t
 thread (about 0.8 us per token), because the stop decision needs the text: a request that hits a
 stop string frees its KV blocks in the same step, and the front ends only pass text on.
 
-Where the graph plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule`` turns
-it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
+Where the deployment plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule``
+turns it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
 while the device computes; :mod:`fastdeploy.engine.overlap` says how stop conditions, aborts and
 preemption stay exact.
 
@@ -28,6 +28,7 @@ the forward in ``layerwise`` mode.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,7 @@ from fastdeploy.engine.overlap import OverlapStepMixin
 from fastdeploy.engine.pd_steps import PDStepMixin
 
 if TYPE_CHECKING:
-    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+    from fastdeploy.config.plan import DeploymentPlan
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,13 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
     Args:
         config: a config resolved by :meth:`EngineArgs.create_engine_config` (model source,
             device and attention backend decided); see :meth:`from_engine_args`.
-        graph_plan: the plan of ``config`` when the caller already resolved it (``--print-config``
-            shows the same one); None resolves it here.
+        plan: the deployment plan of ``config``
+            (:func:`fastdeploy.config.resolve.resolve_deployment`, once per start: the one
+            ``--print-config`` shows). Required: the engine never resolves a plan itself.
 
     Attributes:
+        plan: the deployment plan this engine runs (logged at start, reported as
+            ``describe()["deployment_plan"]``); ``graph_plan`` is its ``plan.graph``.
         max_model_len: the admission bound: the configured ``max_model_len``, or less when the
             KV pool holds fewer tokens for one request (``max_model_len_note`` then says so).
 
@@ -89,10 +93,15 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             the model loads).
     """
 
-    def __init__(self, config: FDConfig, graph_plan: GraphPlan | None = None) -> None:
-        from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+    def __init__(self, config: FDConfig, plan: DeploymentPlan) -> None:
+        from fastdeploy.config.plan import DeploymentPlan
         from fastdeploy.worker.executor import make_worker
 
+        if not isinstance(plan, DeploymentPlan):
+            raise TypeError(
+                f"plan={type(plan).__name__} is invalid; allowed: the DeploymentPlan of config "
+                "(fastdeploy.config.resolve.resolve_deployment or plan_deployment)"
+            )
         config.check_supported()
         check_device_available(config.device_config.device)
         gc_freeze = envs.FD_GC_FREEZE()  # a bad value fails here, before the model loads
@@ -100,15 +109,16 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         # this one sizes its KV cache from the free memory.
         unfreeze_heap(collect=True)
         self.config = config
-        self.graph_plan = graph_plan if graph_plan is not None else resolve_graph_plan(config)
+        self.plan = plan
+        self.graph_plan = plan.graph
         self.source = config.model_source
-        logger.info("graph plan: %s", self.graph_plan.to_dict())
+        logger.info("deployment plan: %s", json.dumps(plan.to_dict()))
         self.tokenizer = None
         if not config.model_config.skip_tokenizer_init:
             self.tokenizer = self.source.load_tokenizer()
         self.vocab_size = self.source.hf_config.vocab_size
         self.eos_token_ids = frozenset(self._eos_ids())
-        self.worker = make_worker(self.config, self.graph_plan)
+        self.worker = make_worker(self.config, self.plan)
         try:
             self._start(config)
             freeze_startup_heap("engine", gc_freeze)  # full collections skip the start-up heap
@@ -190,13 +200,21 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        """Resolve ``engine_args`` (one pass, see :meth:`EngineArgs.create_engine_config`) and
-        start an engine on the result.
+        """Resolve ``engine_args`` once
+        (:func:`~fastdeploy.config.resolve.resolve_deployment`: the config, then its deployment
+        plan) and start an engine on the result.
 
         Raises:
             ValueError: a bad or not yet supported argument; FileNotFoundError: missing model.
         """
-        return cls(engine_args.create_engine_config())
+        from fastdeploy.config.resolve import resolve_deployment
+
+        return cls(*resolve_deployment(engine_args))
+
+    def describe(self) -> dict[str, Any]:
+        """``{"config": ..., "deployment_plan": ...}`` as JSON-able dicts: what this engine runs
+        (``/v1/server_info``); ``--print-config`` prints the same two for the same flags."""
+        return {"config": self.config.to_dict(), "deployment_plan": self.plan.to_dict()}
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -13,7 +13,7 @@ needs), carrying the typed messages of :mod:`fastdeploy.core.messages`, pickled.
 (``AddRequest``, ``AbortRequest``, ``StopLoop``) go down; the loop's messages (``EngineStats``,
 ``StepOutputs``, ``RequestFailed``, ``EngineDead``) come up, one per step. Before the loop starts
 the engine process sends ``EngineReady`` (the :class:`~fastdeploy.engine.admission.Admission`
-requests are checked against, the resolved config and graph plan) or ``EngineStartFailed`` when
+requests are checked against, the resolved config and deployment plan) or ``EngineStartFailed`` when
 the engine could not start.
 
 Several API server processes (``--api-server-count N``, vLLM's flag): each has its own two pipes,
@@ -56,9 +56,8 @@ from fastdeploy.core.outputs import EngineOutputList
 from fastdeploy.engine.engine_loop import Emit, EngineLoop
 
 if TYPE_CHECKING:
-    from fastdeploy.config import FDConfig
+    from fastdeploy.config import DeploymentPlan, FDConfig
     from fastdeploy.engine.frontend_router import CommandSink
-    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +66,13 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def run_engine_core(
     config: FDConfig,
-    graph_plan: GraphPlan,
+    plan: DeploymentPlan,
     log_level: str,
     cmd_conn: Connection,
     out_conn: Connection,
     extra_frontends: list[tuple[Connection, Connection]] = (),
 ) -> None:
-    """Main function of the engine process: build ``LLMEngine(config, graph_plan)``, report
+    """Main function of the engine process: build ``LLMEngine(config, plan)``, report
     :class:`EngineReady` (or :class:`EngineStartFailed`), run the loop until ``StopLoop`` or the
     server's end-of-file, then release the engine.
 
@@ -110,7 +109,7 @@ def run_engine_core(
 
     flush = getattr(emit, "close", lambda: None)  # the router's sending threads
     try:
-        engine = LLMEngine(config, graph_plan)
+        engine = LLMEngine(config, plan)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which prints it
         if not isinstance(e, (ValueError, OSError)):
             logger.exception("the engine failed to start")
@@ -123,7 +122,7 @@ def run_engine_core(
             EngineReady(
                 admission=engine.admission(),
                 config=engine.config.to_dict(),
-                graph_plan=engine.graph_plan.to_dict(),
+                deployment_plan=engine.plan.to_dict(),
                 pid=os.getpid(),
             )
         )

@@ -62,7 +62,7 @@ class OverlapStepMixin:
     @property
     def overlap_schedule(self) -> bool:
         """The plan's rule 10: step N+1 is scheduled while step N runs."""
-        return self.graph_plan.overlap_schedule
+        return self.plan.overlap_schedule
 
     def _run_step(self, sched: SchedulerOutput, layer_events: list | None) -> list[EngineOutput]:
         """Launch ``sched`` and finish the step that is due: ``sched`` itself, or under the

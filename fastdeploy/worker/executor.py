@@ -1,6 +1,6 @@
 """The worker the engine drives: one :class:`GpuWorker`, or rank 0 of a tensor-parallel group.
 
-``make_worker(config, graph_plan)`` returns a :class:`GpuWorker` for ``tensor_parallel_size=1``
+``make_worker(config, plan)`` returns a :class:`GpuWorker` for ``tensor_parallel_size=1``
 and a :class:`TensorParallelWorker` otherwise; both offer the engine the same calls
 (``load_model``, ``determine_num_blocks``, ``initialize_kv_cache``,
 ``graph_optimize_and_warm_up_model``, ``execute_model``, ``shutdown``) and the same reads
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fastdeploy.config import FDConfig
+from fastdeploy.config import DeploymentPlan, FDConfig
 from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.distributed.launcher import RankDiedError, RankProcesses
 from fastdeploy.distributed.parallel_state import (
@@ -34,7 +34,6 @@ from fastdeploy.distributed.parallel_state import (
     destroy_tp_group,
     init_tp_group,
 )
-from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.model_loader import check_tensor_parallel
 from fastdeploy.worker.async_output import PendingOutput
 from fastdeploy.worker.gpu_worker import GpuWorker
@@ -58,7 +57,7 @@ DEATH_WAIT_S = 5.0
 EXIT_WAIT_S = 5.0
 
 
-def make_worker(config: FDConfig, graph_plan: GraphPlan) -> GpuWorker | TensorParallelWorker:
+def make_worker(config: FDConfig, plan: DeploymentPlan) -> GpuWorker | TensorParallelWorker:
     """The engine's worker for ``config`` (see the module docstring).
 
     Raises:
@@ -67,8 +66,8 @@ def make_worker(config: FDConfig, graph_plan: GraphPlan) -> GpuWorker | TensorPa
             (the engine runs on node 0; other nodes run :func:`run_node`).
     """
     if config.parallel_config.tensor_parallel_size == 1:
-        return GpuWorker(config, graph_plan)
-    return TensorParallelWorker(config, graph_plan)
+        return GpuWorker(config, plan.graph)
+    return TensorParallelWorker(config, plan)
 
 
 def free_port() -> int:
@@ -87,7 +86,7 @@ class TensorParallelWorker:
 
     Args:
         config: the engine config (``tensor_parallel_size > 1``).
-        graph_plan: the plan every rank follows (sent to the other ranks as it is).
+        plan: the deployment plan every rank follows (sent to the other ranks as it is).
 
     Attributes:
         worker: rank 0's :class:`GpuWorker`.
@@ -101,7 +100,7 @@ class TensorParallelWorker:
         TimeoutError: a rank did not join in time (another node's, typically).
     """
 
-    def __init__(self, config: FDConfig, graph_plan: GraphPlan) -> None:
+    def __init__(self, config: FDConfig, plan: DeploymentPlan) -> None:
         parallel = config.parallel_config
         world = parallel.tensor_parallel_size
         local_ranks = ranks_per_node(world, parallel.nnodes)
@@ -112,7 +111,7 @@ class TensorParallelWorker:
             )
         check_tensor_parallel(config.model_source.hf_config, world)  # before any process starts
         self.config = config
-        self.graph_plan = graph_plan
+        self.graph_plan = plan.graph
         self.device_type = config.device_config.device
         self.dist_init_addr = parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
         self.worker: GpuWorker | None = None
@@ -136,9 +135,9 @@ class TensorParallelWorker:
             # set-up's collectives (NCCL warm-up, the fusion workspace) aborts the group
             # instead of leaving rank 0 waiting.
             self._watch.start()
-            broadcast_step(graph_plan, self.tp)
-            self.tp = setup_communication(self.tp, config, graph_plan)
-            self.worker = GpuWorker(config, graph_plan, tp=self.tp)
+            broadcast_step(plan, self.tp)
+            self.tp = setup_communication(self.tp, config, plan)
+            self.worker = GpuWorker(config, plan.graph, tp=self.tp)
         except BaseException as e:
             # A collective broken by a dead peer: let the watchdog name the rank.
             if (

@@ -19,9 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from fastdeploy.config import FDConfig
+from fastdeploy.config import DeploymentPlan, FDConfig
 from fastdeploy.distributed.parallel_state import TPGroup, warm_up_collectives
-from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.allreduce_fusion import AllReduceFusion, workspace_bytes
 from fastdeploy.worker.gpu_worker import GpuWorker, resolve_dtype
 
@@ -80,8 +79,8 @@ WARMED_UP = GpuWorker.graph_optimize_and_warm_up_model.__name__
 def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     """The body of a rank process (module level, so that ``spawn`` can pickle it).
 
-    The graph plan comes from rank 0 right after the rendezvous (never re-derived here, also not
-    on another node), so every rank captures the same buckets in the same order.
+    The deployment plan comes from rank 0 right after the rendezvous (never re-derived here, also
+    not on another node), so every rank captures the same buckets in the same order.
 
     Args:
         rank: global rank (>= 1); ``rank % ranks_per_node`` is the CUDA device index.
@@ -113,9 +112,9 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     else:
         share_cpu_threads(local_ranks)
     tp = init_tp_group(rank, parallel.tensor_parallel_size, dist_init_addr, device_type)
-    graph_plan = broadcast_step(None, tp)
-    tp = setup_communication(tp, config, graph_plan)
-    worker = GpuWorker(config, graph_plan, tp=tp)
+    plan: DeploymentPlan = broadcast_step(None, tp)
+    tp = setup_communication(tp, config, plan)
+    worker = GpuWorker(config, plan.graph, tp=tp)
     # Any error propagates and ends the process (its traceback goes to this rank's log); rank 0
     # then finds the rank dead and names it.
     while True:
@@ -129,7 +128,7 @@ def run_rank(rank: int, dist_init_addr: str, config: Any) -> None:
     destroy_tp_group()
 
 
-def setup_communication(tp: TPGroup, config: FDConfig, graph_plan: GraphPlan) -> TPGroup:
+def setup_communication(tp: TPGroup, config: FDConfig, plan: DeploymentPlan) -> TPGroup:
     """What every rank sets up between joining the group and building its worker, at the same
     point on every rank (rank 0 included), on CUDA: NCCL's communicator and buffers (one run of
     each collective, :func:`~fastdeploy.distributed.parallel_state.warm_up_collectives`) and,
@@ -150,14 +149,14 @@ def setup_communication(tp: TPGroup, config: FDConfig, graph_plan: GraphPlan) ->
     hf = config.model_source.hf_config
     dtype = resolve_dtype(config.model_config.dtype, "cuda", hf)
     largest = max(
-        [config.scheduler_config.max_num_batched_tokens, *graph_plan.prefill_capture_sizes]
+        [config.scheduler_config.max_num_batched_tokens, *plan.graph.prefill_capture_sizes]
     )
     free = torch.cuda.mem_get_info()[0]
     warm_up_collectives(tp, (largest, hf.hidden_size), dtype)
     nccl = max(free - torch.cuda.mem_get_info()[0], 0)  # 0 if the cache released more
     fusion = 0
-    if graph_plan.allreduce_fusion:
-        max_tokens = graph_plan.allreduce_fusion_max_tokens
+    if plan.allreduce_fusion:
+        max_tokens = plan.allreduce_fusion_max_tokens
         tp = dataclasses.replace(
             tp, allreduce_fusion=AllReduceFusion.create(tp, max_tokens, hf.hidden_size, dtype)
         )

@@ -12,13 +12,14 @@ from test_tp_processes import run_two_ranks
 from tp_targets import fusion_rank
 
 from fastdeploy.config import (
+    DeploymentPlan,
     DeviceConfig,
     FDConfig,
     GraphOptimizationConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from fastdeploy.model_executor.graph_optimization.policy import GraphPlan, resolve_graph_plan
+from fastdeploy.config.resolve import plan_deployment
 from fastdeploy.model_executor.layers import allreduce_fusion
 from fastdeploy.platforms import get_platform
 
@@ -53,14 +54,14 @@ def flashinfer_present(monkeypatch):
     monkeypatch.setattr(allreduce_fusion, "fusion_unavailable", lambda: None)
 
 
-def fusion_reasons(plan: GraphPlan) -> list[str]:
+def fusion_reasons(plan: DeploymentPlan) -> list[str]:
     return [r for r in plan.reasons if r.startswith("allreduce fusion")]
 
 
 def test_one_rank_says_nothing_unless_asked():
-    plan = resolve_graph_plan(make_config(tp=1, fusion=False))
+    plan = plan_deployment(make_config(tp=1, fusion=False))
     assert not plan.allreduce_fusion and fusion_reasons(plan) == []
-    plan = resolve_graph_plan(make_config(tp=1))
+    plan = plan_deployment(make_config(tp=1))
     assert not plan.allreduce_fusion and plan.allreduce_fusion_max_tokens == 0
     assert fusion_reasons(plan) == [
         "allreduce fusion off: tensor_parallel_size=1 has no all-reduce"
@@ -68,13 +69,13 @@ def test_one_rank_says_nothing_unless_asked():
 
 
 def test_off_without_the_flag(flashinfer_present):
-    plan = resolve_graph_plan(make_config(fusion=False))
+    plan = plan_deployment(make_config(fusion=False))
     assert not plan.allreduce_fusion
     assert "enable_flashinfer_allreduce_fusion=false" in fusion_reasons(plan)[0]
 
 
 def test_off_on_cpu(flashinfer_present):
-    plan = resolve_graph_plan(make_config(platform="cpu"))
+    plan = plan_deployment(make_config(platform="cpu"))
     assert not plan.allreduce_fusion
     assert fusion_reasons(plan) == [
         "allreduce fusion off: platform 'cpu': flashinfer's fused all-reduce needs CUDA"
@@ -85,7 +86,7 @@ def test_off_without_flashinfer(monkeypatch):
     monkeypatch.setattr(
         allreduce_fusion, "fusion_unavailable", lambda: "flashinfer is not installed"
     )
-    plan = resolve_graph_plan(make_config())
+    plan = plan_deployment(make_config())
     assert not plan.allreduce_fusion
     assert fusion_reasons(plan) == ["allreduce fusion off: flashinfer is not installed"]
 
@@ -93,29 +94,29 @@ def test_off_without_flashinfer(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer here")
 def test_the_real_check_reports_flashinfer_missing():
     assert allreduce_fusion.fusion_unavailable() == "flashinfer is not installed"
-    plan = resolve_graph_plan(make_config())
+    plan = plan_deployment(make_config())
     assert fusion_reasons(plan) == ["allreduce fusion off: flashinfer is not installed"]
 
 
 def test_off_across_hosts_and_for_unsupported_group_sizes(flashinfer_present):
-    plan = resolve_graph_plan(make_config(nnodes=2))
+    plan = plan_deployment(make_config(nnodes=2))
     assert not plan.allreduce_fusion and "nnodes=2" in fusion_reasons(plan)[0]
     assert "CUDA IPC" in fusion_reasons(plan)[0]
-    plan = resolve_graph_plan(make_config(tp=3, max_num_seqs=48, max_num_batched_tokens=384))
+    plan = plan_deployment(make_config(tp=3, max_num_seqs=48, max_num_batched_tokens=384))
     assert not plan.allreduce_fusion
     assert "tensor_parallel_size=3; flashinfer fuses for 2, 4, 8 ranks" in fusion_reasons(plan)[0]
 
 
 def test_on_sized_for_the_largest_step_and_round_trips(flashinfer_present):
-    plan = resolve_graph_plan(make_config(max_num_batched_tokens=2048))
+    plan = plan_deployment(make_config(max_num_batched_tokens=2048))
     assert plan.allreduce_fusion and plan.allreduce_fusion_max_tokens == 2048
     [reason] = fusion_reasons(plan)
     assert reason.startswith("allreduce fusion on: flashinfer trtllm_allreduce_fusion")
     assert "workspace for 2048 tokens" in reason and "largest prefill bucket 2048" in reason
-    assert GraphPlan.from_dict(plan.to_dict()) == plan
+    assert DeploymentPlan.from_dict(plan.to_dict()) == plan
     assert plan.to_dict()["allreduce_fusion_max_tokens"] == 2048  # what --print-config shows
     # Without prefill graphs the largest step is the token budget.
-    plan = resolve_graph_plan(make_config(max_num_batched_tokens=1024, full_cuda_graph=True))
+    plan = plan_deployment(make_config(max_num_batched_tokens=1024, full_cuda_graph=True))
     assert plan.allreduce_fusion and plan.allreduce_fusion_max_tokens == 1024
 
 
@@ -144,14 +145,12 @@ def test_no_step_of_the_default_ladders_exceeds_the_workspace(
     """Every step the engine can run: decode-only steps of 1..max_num_seqs requests and
     prefill/mixed steps of 1..max_num_batched_tokens tokens, padded to their bucket as
     dispatched, and the memory-profile step (the largest of all). None takes the fallback."""
-    plan = resolve_graph_plan(
-        make_config(max_num_seqs=seqs, max_num_batched_tokens=budget, **graph)
-    )
+    plan = plan_deployment(make_config(max_num_seqs=seqs, max_num_batched_tokens=budget, **graph))
     limit = plan.allreduce_fusion_max_tokens
-    assert plan.allreduce_fusion and limit == max([budget, *plan.prefill_capture_sizes])
+    assert plan.allreduce_fusion and limit == max([budget, *plan.graph.prefill_capture_sizes])
 
     def padded(decode_only: bool, reqs: int, tokens: int) -> int:
-        mode, bucket = plan.dispatch(decode_only, reqs, tokens)
+        mode, bucket = plan.graph.dispatch(decode_only, reqs, tokens)
         return bucket if mode != "eager" else tokens
 
     largest = max(padded(True, b, b) for b in range(1, seqs + 1))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from test_allreduce_fusion import make_config
 
-from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
+from fastdeploy.config.resolve import plan_deployment
 from fastdeploy.platforms import get_platform
 
 
 def fusion_reason(platform: str) -> str:
-    plan = resolve_graph_plan(make_config(platform=platform, fusion=False))
+    plan = plan_deployment(make_config(platform=platform, fusion=False))
     (reason,) = [r for r in plan.reasons if r.startswith("allreduce fusion")]
     return reason
 

@@ -29,7 +29,7 @@ class StubEngine:
 
     def __init__(self, config, plan) -> None:
         self.pending: dict[str, int] = {}
-        self.config = self.graph_plan = _Info()
+        self.config = self.plan = _Info()
 
     def admission(self):
         return None

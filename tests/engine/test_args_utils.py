@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from fastdeploy.config.resolve import plan_deployment, resolve_deployment
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
 from fastdeploy.model_executor.model_loader.source import ModelSource
 
 
@@ -210,11 +210,11 @@ def test_device_and_backend_are_resolved_before_the_policy(monkeypatch):
         "cpu",
         "torch_native",
     )
-    config = EngineArgs(device="cuda", attention_backend="torch_native").create_engine_config(
-        source(8192)
+    config, plan = resolve_deployment(
+        EngineArgs(device="cuda", attention_backend="torch_native"), source(8192)
     )
-    plan = resolve_graph_plan(config)
-    assert not plan.decode_graphs and plan.prefill_graphs
+    assert config.device_config.attention_backend == "torch_native"
+    assert not plan.graph.decode_graphs and plan.graph.prefill_graphs
     with pytest.raises(ValueError, match="needs a CUDA device"):
         EngineArgs(device="cpu", attention_backend="flashinfer").create_engine_config(source(8))
 
@@ -267,12 +267,21 @@ def test_unsupported_config_still_resolves_a_plan(monkeypatch):
         tensor_parallel_size=2,
         device="cuda",
     )
-    plan = resolve_graph_plan(args.create_engine_config(source(8192)))
+    plan = resolve_deployment(args, source(8192))[1].graph
     assert not plan.decode_graphs and not plan.prefill_graphs
     assert any("swap_space=4 GiB" in r and "layer by layer" in r for r in plan.reasons)
     args = EngineArgs(splitwise_role="prefill", swap_space=4, tensor_parallel_size=2, device="cuda")
-    plan = resolve_graph_plan(args.create_engine_config(source(8192)))  # swap_in_mode=request
+    plan = resolve_deployment(args, source(8192))[1].graph  # swap_in_mode=request
     assert plan.prefill_graphs and any("prefill graphs stay on" in r for r in plan.reasons)
     config = EngineArgs(splitwise_role="prefill", device="cuda").create_engine_config(source(64))
-    plan = resolve_graph_plan(config)
+    plan = plan_deployment(config).graph
     assert plan.prefill_graphs and not plan.decode_graphs
+
+
+def test_resolve_deployment_is_the_config_and_its_plan():
+    """One call per start: the config of ``create_engine_config`` and the plan of that config."""
+    args = EngineArgs(device="cpu", max_num_seqs=8)
+    config, plan = resolve_deployment(args, source(512))
+    assert config == args.create_engine_config(source(512))
+    assert plan == plan_deployment(config)
+    assert plan.graph.reasons and plan.overlap_schedule  # CPU: no graphs, the overlap stays on

@@ -18,6 +18,7 @@ import time
 import pytest
 from tiny_models import tiny_llama
 
+from fastdeploy.config.resolve import resolve_deployment
 from fastdeploy.core.messages import (
     EngineStats,
     RequestFailed,
@@ -31,7 +32,6 @@ from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine_core_proc import PipeEmitter
 from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine, EngineDeadError
 from fastdeploy.entrypoints.engine_client.process_client import EngineCoreProcess
-from fastdeploy.model_executor.graph_optimization.policy import resolve_graph_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 77)), [300] * 9]
@@ -50,8 +50,7 @@ def config_of(tiny_dir, **kw):
         block_size=16, max_num_seqs=4, seed=0, device="cpu",
     )  # fmt: skip
     args.update(kw)
-    config = EngineArgs(**args).create_engine_config()
-    return config, resolve_graph_plan(config)
+    return resolve_deployment(EngineArgs(**args))
 
 
 async def collect(engine: AsyncLLMEngine, prompts, params=GREEDY) -> list[list[int]]:

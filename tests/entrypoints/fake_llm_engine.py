@@ -79,7 +79,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.vocab_size = 256
         self.config = FDConfig()
-        self.graph_plan = _Plan()
+        self.plan = _Plan()
         self.step_delay_s = step_delay_s
         self.num_blocks = num_blocks
         self.max_model_len_note = None

@@ -151,7 +151,8 @@ def test_a_bad_key_is_named_but_not_shown(given, env, named):
 
 
 def test_print_config_masks_the_key(capsys, monkeypatch):
-    from fastdeploy.entrypoints.openai.api_server import make_arg_parser, run_server
+    from fastdeploy.entrypoints.openai.api_server import run_server
+    from fastdeploy.entrypoints.server_args import make_arg_parser
 
     monkeypatch.setenv("VLLM_API_KEY", "secret-from-env")
     assert run_server(make_arg_parser().parse_args(["--print-config"])) == 0

@@ -304,7 +304,7 @@ def test_print_config_round_trips(command):
     data = json.loads(out.stdout)
     config = FDConfig.from_dict(data["config"])
     assert config.to_dict() == data["config"]
-    assert config.scheduler_config.max_num_seqs == 8 and "reasons" in data["graph_plan"]
+    assert config.scheduler_config.max_num_seqs == 8 and "reasons" in data["deployment_plan"]
 
 
 def test_bad_argument_exits_2_naming_it():

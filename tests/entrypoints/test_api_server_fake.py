@@ -43,7 +43,7 @@ def test_health_models_and_server_info(server, client):
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
     info = get_json(url, "/v1/server_info")
-    assert info["max_model_len"] == 128 and info["graph_plan"]["reasons"] == ["fake engine"]
+    assert info["max_model_len"] == 128 and info["deployment_plan"]["reasons"] == ["fake engine"]
     assert "model_config" in info["config"]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from fastdeploy.entrypoints import launch
 from fastdeploy.entrypoints.engine_client.async_engine import QueueFullError
-from fastdeploy.entrypoints.openai import api_server
 from fastdeploy.entrypoints.openai.api_workers import concurrency_share
 
 
@@ -28,7 +28,7 @@ def test_an_earlier_runs_metrics_files_are_removed_from_a_given_directory(tmp_pa
     (tmp_path / "counter_123.db").write_bytes(b"stale")
     (tmp_path / "notes.txt").write_text("kept")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    api_server._multiprocess_metrics_dir()
+    launch.multiprocess_metrics_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
@@ -65,7 +65,7 @@ def test_a_ctrl_c_taken_by_another_thread_waits_until_every_worker_has_started(m
     thread = threading.Thread(target=other_thread, daemon=True)
     thread.start()
     with pytest.raises(KeyboardInterrupt):
-        APIServerWorkers(None, None, [], None)
+        APIServerWorkers(None, None, [], None, None)
     thread.join(5)
     assert progress == ["begun", "every worker started"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

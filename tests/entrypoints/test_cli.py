@@ -14,7 +14,7 @@ import torch
 
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.cli.main import build_parser
-from fastdeploy.entrypoints.openai.api_server import make_arg_parser, served_name
+from fastdeploy.entrypoints.server_args import make_arg_parser, served_name
 
 
 def _options(parser) -> set[str]:
@@ -92,7 +92,7 @@ def test_print_config_with_swap_space_on_cuda(capsys, monkeypatch, path, mode):
     )  # fmt: skip
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
-    plan = out["graph_plan"]
+    plan = out["deployment_plan"]["graph"]
     reasons = [r for r in plan["reasons"] if "swap_space=4 GiB" in r]
     assert len(reasons) == 1, plan["reasons"]  # one line, about prefill graphs only
     if mode == "layerwise":
@@ -122,12 +122,12 @@ def test_print_config_resolves_the_backend_before_the_plan(capsys, monkeypatch):
         assert run(args) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["config"]["device_config"] == {"device": "cuda", "attention_backend": backend}
-        assert out["graph_plan"]["decode_graphs"] is decode
-        assert out["graph_plan"]["prefill_graphs"] is True
+        graph = out["deployment_plan"]["graph"]
+        assert graph["decode_graphs"] is decode and graph["prefill_graphs"] is True
         if not decode:
             assert any(
                 "torch_native attention backend cannot run inside a full CUDA graph" in r
-                for r in out["graph_plan"]["reasons"]
+                for r in graph["reasons"]
             )
 
 
@@ -203,3 +203,95 @@ def test_print_config_names_the_default_model_it_resolved(capsys):
     assert config["model_config"]["model"] == default
     assert run(build_parser().parse_args(["serve", "--print-config", "--model", default])) == 0
     assert json.loads(capsys.readouterr().out)["config"] == config
+
+
+def test_print_config_prints_the_whole_deployment_plan(capsys):
+    """--print-config prints ``DeploymentPlan.to_dict()`` (it round-trips), the same dict that
+    resolve_deployment gives for the same flags."""
+    import json
+
+    from fastdeploy.config import DeploymentPlan
+    from fastdeploy.config.resolve import resolve_deployment
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+
+    argv = ["serve", "--print-config", "--device", "cpu", "--disable-overlap-schedule"]
+    assert run(build_parser().parse_args(argv)) == 0
+    printed = json.loads(capsys.readouterr().out)["deployment_plan"]
+    plan = DeploymentPlan.from_dict(printed)
+    assert plan.to_dict() == printed and not plan.overlap_schedule
+    assert any("disable_overlap_schedule=true" in r for r in plan.reasons)
+    _, resolved = resolve_deployment(EngineArgs.from_cli_args(build_parser().parse_args(argv)))
+    assert resolved == plan
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-concurrency", "0"], "--max-concurrency=0 is invalid; allowed: an integer >= 1"),
+        (["--engine-stall-timeout", "-1"], "--engine-stall-timeout=-1.0 is invalid; allowed: "),
+        (["--api-server-count", "9", "--max-concurrency", "8"],
+         "--api-server-count=9 is invalid; allowed: 1..--max-concurrency (8)"),
+        (["--api-server-count", "2", "--disable-frontend-multiprocessing"],
+         "--api-server-count=2 is invalid with --disable-frontend-multiprocessing (the API "
+         "server processes share an engine process); allowed: 1"),
+        (["--max-stop-strings", "100000"], "--max-stop-strings="),
+    ],
+)  # fmt: skip
+def test_server_flag_rules_refuse_with_one_error_line(capsys, argv, message):
+    """The server's own flag rules (a table, checked first): one ``error:`` line, exit 2."""
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+
+    assert run(build_parser().parse_args(["serve", "--print-config", *argv])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_api_server_count_on_a_pd_node_is_one_rule_printed_and_refused(capsys):
+    """``--print-config`` lists it as not supported yet; start-up refuses it with the same
+    sentence (one owner: ``server_not_supported``)."""
+    import json
+
+    from fastdeploy.entrypoints.openai.api_server import run_server as run
+
+    argv = ["serve", "--device", "cpu", "--splitwise-role", "prefill", "--api-server-count", "2"]
+    assert run(build_parser().parse_args([*argv, "--print-config"])) == 0
+    sentence = json.loads(capsys.readouterr().out)["not_supported_yet"]
+    assert sentence.startswith("--api-server-count=2 with --splitwise-role=prefill")
+    assert run(build_parser().parse_args([*argv, "--port", "0"])) == 2
+    assert capsys.readouterr().err == f"error: {sentence}\n"
+
+
+def test_start_up_and_the_http_layer_import_no_circle():
+    """api_server -> launch -> api_workers, app: the HTTP layer is handed to start-up, which
+    never imports it back (lazy imports count)."""
+    import ast
+    from pathlib import Path
+
+    import fastdeploy.entrypoints as pkg
+
+    root = Path(pkg.__file__).parent
+    names = {
+        "api_server": root / "openai" / "api_server.py",
+        "api_workers": root / "openai" / "api_workers.py",
+        "app": root / "openai" / "app.py",
+        "launch": root / "launch.py",
+        "server_args": root / "server_args.py",
+    }
+    edges = {name: set() for name in names}
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for module in modules:
+                edges[name] |= {other for other in names if module.endswith("." + other)}
+    edges = {name: targets - {name} for name, targets in edges.items()}
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(t == goal or (t not in seen and reaches(t, goal, seen | {t}))
+                   for t in edges[start])  # fmt: skip
+
+    assert [name for name in names if reaches(name, name)] == []
+    assert "launch" in edges["api_server"] and "api_server" not in edges["launch"]

@@ -214,7 +214,7 @@ def test_large_bodies_and_many_requests_on_one_connection_are_not_head_bytes(ser
 def test_the_flags_set_the_limits_and_print_config_shows_them():
     """Each flag is a knob that acts: parsed into the limits the server runs with, shown by
     --print-config, and a bad value names its flag."""
-    from fastdeploy.entrypoints.openai.api_server import make_arg_parser, request_limits
+    from fastdeploy.entrypoints.server_args import make_arg_parser, request_limits
 
     args = make_arg_parser().parse_args(
         ["--h11-max-header-count", "10", "--h11-max-incomplete-event-size", "2048"]

@@ -1,8 +1,9 @@
-"""``--print-config --device cuda`` and a running CUDA engine report the same config and plan.
+"""``--print-config --device cuda`` and a running CUDA engine report the same config and
+deployment plan.
 
-The plan is resolved once, from a config whose device and attention backend were decided before
-the policy ran; the worker never edits it. So what ``--print-config`` prints (without loading
-weights) is what the engine captures and dispatches with.
+The plan is resolved once (``resolve_deployment``), from a config whose device and attention
+backend were decided before the policy ran; the worker never edits it. So what ``--print-config``
+prints (without loading weights) is what the engine captures and dispatches with.
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ def test_print_config_equals_the_running_engine(tmp_path_factory):
     llm = make_llm(model_dir, **ENGINE)
     try:
         engine = llm.engine
-        running_plan = engine.graph_plan.to_dict()
-        print("printed plan:", printed["graph_plan"])
-        print("running plan:", running_plan)
-        assert printed["graph_plan"] == running_plan
-        assert printed["config"] == engine.config.to_dict()
+        running = engine.describe()
+        print("printed plan:", printed["deployment_plan"])
+        print("running plan:", running["deployment_plan"])
+        assert printed["deployment_plan"] == running["deployment_plan"]
+        assert printed["config"] == running["config"]
         assert printed["config"]["device_config"] == {
             "device": "cuda",
             "attention_backend": engine.worker.runner.attn_backend.name,
         }
         # The running engine captured exactly the printed buckets.
         graphs = engine.worker.runner.graph_runner
-        plan = printed["graph_plan"]
+        plan = printed["deployment_plan"]["graph"]
         assert sorted(graphs.full, reverse=True) == plan["decode_capture_sizes"]
         assert sorted(graphs.piecewise, reverse=True) == plan["prefill_capture_sizes"]
     finally:

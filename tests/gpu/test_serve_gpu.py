@@ -72,7 +72,7 @@ def test_serve_chat_with_full_and_piecewise_graphs(tmp_path):
         else:
             raise AssertionError("server did not become healthy in 240 s")
         info = httpx.get(url + "/v1/server_info", timeout=10).json()
-        plan = info["graph_plan"]
+        plan = info["deployment_plan"]["graph"]
         assert plan["decode_graphs"] and plan["prefill_graphs"], plan
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = {

@@ -52,7 +52,7 @@ def run(model_dir: str, **kwargs) -> dict:
             "tokens": [o.outputs[0].token_ids for o in outs],
             "top": [[dict(s["top_logprobs"]) for s in o.outputs[0].logprobs] for o in outs],
             "modes": llm.engine.get_stats()["steps_by_mode"],
-            "plan": llm.engine.graph_plan,
+            "plan": llm.engine.plan,
             "fused": None if fusion is None else (fusion.num_fused, fusion.num_fallback),
         }
     finally:

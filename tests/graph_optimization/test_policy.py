@@ -9,12 +9,14 @@ import pytest
 
 from fastdeploy.config import (
     CacheConfig,
+    DeploymentPlan,
     DeviceConfig,
     FDConfig,
     GraphOptimizationConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from fastdeploy.config.resolve import plan_deployment
 from fastdeploy.model_executor.graph_optimization.capture_sizes import (
     default_decode_sizes,
     default_prefill_sizes,
@@ -57,8 +59,9 @@ def make_config(
     )
 
 
-def has_reason(plan: GraphPlan, *fragments: str) -> bool:
-    return any(all(f in r for f in fragments) for r in plan.reasons)
+def has_reason(plan: GraphPlan | DeploymentPlan, *fragments: str) -> bool:
+    reasons = plan.all_reasons if isinstance(plan, DeploymentPlan) else plan.reasons
+    return any(all(f in r for f in fragments) for r in reasons)
 
 
 def test_default_cuda_plan_turns_both_on():
@@ -67,7 +70,6 @@ def test_default_cuda_plan_turns_both_on():
     assert plan.decode_capture_sizes == default_decode_sizes(64)
     assert plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
     assert plan.reasons == []
-    assert not plan.full_cuda_graph and plan.graph_opt_level == 0
 
 
 def test_rule1_cpu_platform_turns_all_off():
@@ -103,7 +105,6 @@ def test_rule3_full_cuda_graph_turns_prefill_off():
     plan = resolve_graph_plan(make_config(full_cuda_graph=True))
     assert plan.decode_graphs and plan.decode_capture_sizes == default_decode_sizes(64)
     assert not plan.prefill_graphs and plan.prefill_capture_sizes == []
-    assert plan.full_cuda_graph
     assert has_reason(plan, "prefill graphs off", "full_cuda_graph=true")
 
 
@@ -221,9 +222,12 @@ def test_unresolved_budget_is_an_error_when_prefill_graphs_are_on():
     assert resolve_graph_plan(config).reasons  # nothing needs the budget off CUDA
 
 
-def test_graph_opt_level_is_carried():
-    plan = resolve_graph_plan(make_config(graph_opt_level=2))
-    assert plan.graph_opt_level == 2
+def test_graph_opt_level_and_full_cuda_graph_live_in_the_config_alone():
+    """The plan does not copy them: the capture reads ``config.graph_opt_config``."""
+    config = make_config(graph_opt_level=2, full_cuda_graph=True)
+    data = resolve_graph_plan(config).to_dict()
+    assert "graph_opt_level" not in data and "full_cuda_graph" not in data
+    assert config.graph_opt_config.graph_opt_level == 2
 
 
 def test_plan_round_trips_through_json():
@@ -244,10 +248,10 @@ def test_plan_from_dict_rejects_unknown_key_and_inconsistency():
 
 
 def test_rule10_overlap_schedule_is_on_by_default_and_says_what_it_costs_on_cpu():
-    plan = resolve_graph_plan(make_config())
+    plan = plan_deployment(make_config())
     assert plan.overlap_schedule and "overlap schedule: on" in plan.describe()
     assert not has_reason(plan, "overlap schedule")  # on CUDA it overlaps: nothing to explain
-    cpu = resolve_graph_plan(make_config(platform="cpu"))
+    cpu = plan_deployment(make_config(platform="cpu"))
     assert cpu.overlap_schedule
     assert has_reason(cpu, "overlap schedule on", "nothing overlaps", "--disable-overlap-schedule")
 
@@ -269,10 +273,10 @@ def test_rule10_overlap_schedule_is_on_by_default_and_says_what_it_costs_on_cpu(
 def test_rule10_overlap_schedule_off_says_why(edit, fragment):
     config = make_config()
     edit(config)
-    plan = resolve_graph_plan(config)
+    plan = plan_deployment(config)
     assert not plan.overlap_schedule and "overlap schedule: off" in plan.describe()
     assert has_reason(plan, "overlap schedule off", fragment)
-    again = GraphPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    again = DeploymentPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
 
 

@@ -28,8 +28,6 @@ PLAN = GraphPlan(
     prefill_graphs=True,
     decode_capture_sizes=[4, 2, 1],
     prefill_capture_sizes=[64, 16],
-    full_cuda_graph=False,
-    graph_opt_level=0,
 )
 
 
@@ -123,8 +121,6 @@ def plan_of(prefill: list[int], decode: list[int]) -> GraphPlan:
         prefill_graphs=bool(prefill),
         decode_capture_sizes=decode,
         prefill_capture_sizes=prefill,
-        full_cuda_graph=False,
-        graph_opt_level=0,
     )
 
 

@@ -3,7 +3,8 @@
 Subcommands:
   * ``fastdeploy serve [args]``: the OpenAI-compatible server; the same arguments as
     ``python -m fastdeploy.entrypoints.openai.api_server`` (one parser builder,
-    :func:`fastdeploy.entrypoints.openai.api_server.make_arg_parser`).
+    :func:`fastdeploy.entrypoints.server_args.make_arg_parser`; start-up in
+    :mod:`fastdeploy.entrypoints.launch`).
 
 Examples: ``fastdeploy serve --port 8000``, ``fastdeploy serve --print-config --device cuda``.
 """
@@ -16,7 +17,8 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per subcommand."""
-    from fastdeploy.entrypoints.openai.api_server import make_arg_parser, run_server
+    from fastdeploy.entrypoints.openai.api_server import run_server
+    from fastdeploy.entrypoints.server_args import make_arg_parser
     from fastdeploy.router.cli import make_router_parser, run_router
 
     parser = argparse.ArgumentParser(prog="fastdeploy", description="FastDeploy-style LLM engine")

@@ -127,7 +127,7 @@ class EngineCore(Protocol):
         """The admission check; ``ValueError`` naming what is wrong."""
 
     def describe(self) -> dict:
-        """``{"config": ..., "graph_plan": ...}`` as dicts."""
+        """``{"config": ..., "deployment_plan": ...}`` as dicts."""
 
     def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
         """Start the loop (or its reader); ``emit`` is then called on ``loop``'s thread."""
@@ -250,7 +250,8 @@ class AsyncLLMEngine:
         return self._core.pd_trust
 
     def describe(self) -> dict:
-        """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
+        """The engine's resolved ``config`` and ``deployment_plan`` as dicts (for
+        /v1/server_info)."""
         return self._core.describe()
 
     @property

@@ -49,8 +49,7 @@ from fastdeploy.entrypoints.engine_client.pipe_frames import FrameReader
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fastdeploy.config import FDConfig
-    from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
+    from fastdeploy.config import DeploymentPlan, FDConfig
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class EngineCoreClient:
         self.vocab_size: int = self.admission.vocab_size
         #: The engine process's pid (for ``/v1/server_info``: what to watch or signal).
         self.engine_pid: int | None = ready.pid
-        self._describe = {"config": ready.config, "graph_plan": ready.graph_plan}
+        self._describe = {"config": ready.config, "deployment_plan": ready.deployment_plan}
 
     def _engine_alive(self) -> bool:
         """Whether the engine process may still answer (its own process can tell; a front end
@@ -175,7 +174,7 @@ class EngineCoreClient:
         return self.admission.pd_trust
 
     def describe(self) -> dict:
-        """``{"config": ..., "graph_plan": ...}`` as the engine process resolved them."""
+        """``{"config": ..., "deployment_plan": ...}`` as the engine process runs them."""
         return dict(self._describe)
 
     def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:
@@ -285,7 +284,7 @@ class EngineCoreProcess(EngineCoreClient):
     Args:
         config: a resolved config (``EngineArgs.create_engine_config``); pickled to the engine
             process.
-        graph_plan: its graph plan.
+        plan: its deployment plan (``fastdeploy.config.resolve.resolve_deployment``).
         log_level: the engine process's logging level (``info``, ``debug``, ...).
         num_frontends: API server processes the engine serves (``--api-server-count``): this
             one, plus ``num_frontends - 1`` whose pipes are in :attr:`extra_frontends`.
@@ -300,7 +299,7 @@ class EngineCoreProcess(EngineCoreClient):
     def __init__(
         self,
         config: FDConfig,
-        graph_plan: GraphPlan,
+        plan: DeploymentPlan,
         log_level: str = "info",
         num_frontends: int = 1,
     ) -> None:
@@ -317,7 +316,7 @@ class EngineCoreProcess(EngineCoreClient):
         self.extra_frontends = [(c_send, o_recv) for (_, c_send), (o_recv, _) in extra]
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(config, graph_plan, log_level, cmd_recv, out_send),
+            args=(config, plan, log_level, cmd_recv, out_send),
             kwargs={"extra_frontends": [(c_recv, o_send) for (c_recv, _), (_, o_send) in extra]},
             name="fastdeploy-engine-core",
         )

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class LocalEngine(SteppableEngine, Protocol):
     """An engine that runs in this process (``LLMEngine``, or a test's stand-in): what
     :class:`~fastdeploy.engine.engine_loop.EngineLoop` drives, and what the server reads of
-    it. Optional, read with ``getattr``: ``max_model_len_note``, ``config``, ``graph_plan``
+    it. Optional, read with ``getattr``: ``max_model_len_note``, ``config``, ``plan``
     (each with ``to_dict()``) and ``pd`` (the PD role, whose ``trust`` is the decode node's
     ``PrefillTrust``)."""
 
@@ -57,7 +57,7 @@ class ThreadCore:
     Args:
         engine: what :class:`~fastdeploy.engine.engine_loop.EngineLoop` drives; its attributes
             ``tokenizer``, ``max_model_len``, ``vocab_size`` (``max_model_len_note``, ``config``
-            and ``graph_plan`` when it has them) and ``check_request`` are read by the server.
+            and ``plan`` when it has them) and ``check_request`` are read by the server.
     """
 
     def __init__(self, engine: LocalEngine) -> None:
@@ -93,12 +93,13 @@ class ThreadCore:
         return getattr(getattr(self.engine, "pd", None), "trust", None)
 
     def describe(self) -> dict:
-        """``{"config": ..., "graph_plan": ...}`` as dicts (empty for a stand-in without them)."""
+        """``{"config": ..., "deployment_plan": ...}`` as dicts (empty for a stand-in without
+        them)."""
         out = {}
-        for name in ("config", "graph_plan"):
+        for key, name in (("config", "config"), ("deployment_plan", "plan")):
             value = getattr(self.engine, name, None)
             if value is not None:
-                out[name] = value.to_dict()
+                out[key] = value.to_dict()
         return out
 
     def start(self, emit: Emit, loop: asyncio.AbstractEventLoop) -> None:

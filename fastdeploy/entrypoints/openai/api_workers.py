@@ -12,7 +12,8 @@ not the bottleneck.)
 How:
 
 * the first process (the one started from the command line) starts the engine process with N
-  pairs of pipes (:class:`~fastdeploy.engine.engine_core_proc.EngineCoreProcess`), binds the
+  pairs of pipes
+  (:class:`~fastdeploy.entrypoints.engine_client.process_client.EngineCoreProcess`), binds the
   listening socket, and starts N - 1 more API server processes (:class:`APIServerWorkers`),
   each given the socket, its pipes and a lifeline pipe; all N accept connections from the one
   socket and serve them alike;
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable
 
     from fastdeploy.config import FDConfig
 
@@ -74,6 +76,9 @@ class APIServerWorkers:
         config: the resolved config (for the tokenizer).
         frontends: ``(cmd_conn, out_conn)`` per process (``EngineCoreProcess.extra_frontends``).
         sock: the bound, listening socket.
+        serve: the HTTP layer each process runs
+            (:func:`fastdeploy.entrypoints.openai.api_server.serve`, a module-level function:
+            the spawn start method pickles it by name).
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class APIServerWorkers:
         config: FDConfig,
         frontends: list[tuple[Any, Any]],
         sock: socket.socket,
+        serve: Callable[..., None],
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         count = len(frontends) + 1
@@ -102,7 +108,7 @@ class APIServerWorkers:
             if main:  # signal.signal works on the main thread only
                 handler = signal.signal(signal.SIGINT, lambda n, _f: interrupted.append(n))
             try:
-                self._start(ctx, args, config, frontends, sock, count)
+                self._start(ctx, args, config, frontends, sock, count, serve)
             finally:
                 if main:
                     signal.signal(signal.SIGINT, handler)
@@ -114,12 +120,12 @@ class APIServerWorkers:
             raise
         threading.Thread(target=self._watch, name="fastdeploy-api-servers", daemon=True).start()
 
-    def _start(self, ctx, args, config, frontends, sock, count) -> None:
+    def _start(self, ctx, args, config, frontends, sock, count, serve) -> None:
         for index, (cmd_conn, out_conn) in enumerate(frontends, start=1):
             lifeline_recv, lifeline_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=run_api_worker,
-                args=(index, count, args, config, cmd_conn, out_conn, sock, lifeline_recv),
+                args=(index, count, args, config, cmd_conn, out_conn, sock, lifeline_recv, serve),
                 name=f"fastdeploy-api-server-{index}",
             )
             proc.start()
@@ -180,14 +186,15 @@ def run_api_worker(
     out_conn: Any,
     sock: socket.socket,
     lifeline: Any,
+    serve: Callable[..., None],
 ) -> None:
     """Main function of API server process ``index`` (1..count-1): attach to the engine
-    process, serve ``sock`` until SIGTERM or the first process's end."""
+    process, serve ``sock`` with ``serve`` (the HTTP layer) until SIGTERM or the first
+    process's end."""
     from fastdeploy.entrypoints.engine_client.process_client import (
         EngineCoreClient,
         EngineStartError,
     )
-    from fastdeploy.entrypoints.openai.api_server import serve
 
     logging.basicConfig(
         level=args.log_level.upper(),

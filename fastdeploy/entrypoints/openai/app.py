@@ -2,7 +2,7 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /health`` (503 when the engine loop stopped, or stalled: ``--engine-stall-timeout``),
-``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, graph
+``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, deployment
 plan, live engine stats).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
@@ -41,7 +41,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.core.sampling_params import StopLimits
 from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
-from fastdeploy.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME
 from fastdeploy.entrypoints.openai.auth import APIKeyMiddleware, mask
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_error
 from fastdeploy.entrypoints.openai.limits import HTTPLimits, RequestLimitsMiddleware
@@ -54,6 +53,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.entrypoints.server_args import DEFAULT_SERVED_MODEL_NAME
 from fastdeploy.splitwise.roles import release_refused_leg
 
 logger = logging.getLogger("fastdeploy.api_server")
@@ -180,7 +180,7 @@ def build_app(
                 "api_key": mask(api_keys),
                 "limits": {**dataclasses.asdict(limits), **stop_limits_dict},
                 "config": described.get("config"),
-                "graph_plan": described.get("graph_plan"),
+                "deployment_plan": described.get("deployment_plan"),
                 "num_in_flight": engine.num_in_flight,
                 "stats": engine.stats,
             }

@@ -8,8 +8,19 @@ and pads the difference; see ``docs/graph-optimization.md`` in the shared docs.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
+from fastdeploy.config.plan import normalize_sizes, pick_bucket
+
+# normalize_sizes and pick_bucket live with GraphPlan (fastdeploy.config.plan), whose dispatch
+# applies them; they are importable from here too, beside the ladders.
+__all__ = [
+    "MAX_DEFAULT_DECODE_SIZE",
+    "capture_ladder",
+    "default_decode_sizes",
+    "default_prefill_sizes",
+    "normalize_sizes",
+    "num_padding",
+    "pick_bucket",
+]
 
 # Largest default decode bucket: beyond it a decode step is long enough that launch overhead
 # (what a graph saves) is a small share of the step, and each graph costs capture time and memory.
@@ -57,27 +68,6 @@ def default_prefill_sizes(max_capture_shape_prefill: int, max_num_batched_tokens
     ``min(max_capture_shape_prefill, max_num_batched_tokens)``, largest first.
     """
     return capture_ladder(min(max_capture_shape_prefill, max_num_batched_tokens))
-
-
-def normalize_sizes(sizes: Sequence[int]) -> list[int]:
-    """Explicit sizes deduplicated and sorted largest first (nothing is dropped)."""
-    return sorted(set(sizes), reverse=True)
-
-
-def pick_bucket(sizes_desc: Sequence[int], n: int) -> int | None:
-    """The smallest bucket ``>= n`` of ``sizes_desc`` (sorted largest first), or None.
-
-    None means ``n`` exceeds the largest bucket (or there are no buckets): the step runs eagerly.
-    Binary search, so it is cheap enough to call on every step.
-
-    Raises:
-        ValueError: ``n < 1``.
-    """
-    if n < 1:
-        raise ValueError(f"n={n!r} is invalid; allowed: an integer >= 1 (requests or tokens)")
-    # sizes_desc negated is ascending; the insertion point after -n is the first bucket below n.
-    i = bisect.bisect_right(sizes_desc, -n, key=lambda s: -s)
-    return sizes_desc[i - 1] if i > 0 else None
 
 
 def num_padding(bucket: int, n: int) -> int:
