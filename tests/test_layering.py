@@ -57,6 +57,24 @@ FORBIDDEN = [
 ]
 
 
+#: The server's side of the process line: what runs in an API server process. It may import
+#: from below only what both sides share (:data:`SERVER_MAY_IMPORT`); start-up
+#: (``entrypoints.launch``, ``entrypoints.server_args``, ``entrypoints.llm``, the CLI) may import
+#: anything, and only :data:`ENGINE_LAUNCHERS` of the server's side may import the engine's entry
+#: points (the process's main, the loop a thread runs).
+SERVER_SIDE = ("entrypoints.openai", "entrypoints.engine_client")
+SERVER_MAY_IMPORT = ("core", "config", "envs", "platforms", "metrics", "entrypoints")
+#: ``config.resolve`` resolves the deployment (model loader, graph policy): start-up's, not the
+#: server's.
+SERVER_MAY_NOT_IMPORT = ("config.resolve",)
+ENGINE_LAUNCHERS = (
+    "entrypoints.engine_client.process_client",
+    "entrypoints.engine_client.thread_core",
+)
+#: The calls that send a message across the process line; their first argument is never a string.
+MESSAGE_CALLS = ("emit", "_emit", "send", "put", "put_nowait")
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(p for p in parts if p != "__init__")
@@ -122,3 +140,156 @@ def test_the_walk_sees_lazy_and_package_imports(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert expected in [name for _, name in imported_modules(path)]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (lazy imports included), by dotted name below
+    ``fastdeploy``; an import of a name inside a module counts as an import of that module."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name:
+            modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for _, imported in imported_modules(path):
+            target = imported.removeprefix("fastdeploy.")
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circle():
+    assert import_circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def server_side_violations() -> list[str]:
+    """Imports from the server's side of the process line of anything below it but the parts the
+    server may use (:data:`SERVER_MAY_IMPORT`); only :data:`ENGINE_LAUNCHERS` may import the engine."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = module_name(path)
+        if not any(here == s or here.startswith(s + ".") for s in SERVER_SIDE):
+            continue
+        for line, name in imported_modules(path):
+            target = name.removeprefix("fastdeploy.")
+            top = target.split(".")[0]
+            banned = any(target == b or target.startswith(b + ".") for b in SERVER_MAY_NOT_IMPORT)
+            if top in SERVER_MAY_IMPORT and not banned:
+                continue
+            if top == "engine" and here in ENGINE_LAUNCHERS:
+                continue
+            bad.append(f"fastdeploy.{here}:{line} imports {name} (across the process line)")
+    return bad
+
+
+def test_the_server_side_imports_only_core_and_config_from_below():
+    assert server_side_violations() == []
+
+
+def mixin_violations(paths) -> list[str]:
+    """Classes named ``*Mixin``, and classes built from two or more of the package's own classes."""
+    trees = [(path, ast.parse(path.read_text(), filename=str(path))) for path in paths]
+    own = {n.name for _, tree in trees for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    bad = []
+    for path, tree in trees:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+            if node.name.endswith("Mixin") or sum(b in own for b in bases) >= 2:
+                bad.append(f"{path.name}:{node.lineno}: class {node.name}({', '.join(bases)})")
+    return bad
+
+
+def test_no_mixin_classes():
+    assert mixin_violations(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def string_dispatch_violations(paths) -> list[str]:
+    """Messages named by a string across the process line (``emit("step", ...)``), and probes of
+    a PD role's attributes by name (``hasattr(self.pd, ...)``)."""
+    bad = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = ast.unparse(node.func).rpartition(".")[2]
+            first = node.args[0]
+            if (
+                func in MESSAGE_CALLS
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+            ):
+                bad.append(f"{path.name}:{node.lineno}: {func}({first.value!r}, ...)")
+            if func in ("hasattr", "getattr") and "pd" in ast.unparse(first).split("."):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_no_string_message_kinds_and_no_probing_of_pd_roles():
+    assert string_dispatch_violations(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_the_checkers_can_fail(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "class AMixin: pass\nclass B: pass\nclass C(AMixin, B): pass\n"
+        "def f(self):\n    self.emit('step', 1)\n    hasattr(self.pd, 'x')\n"
+    )
+    assert len(mixin_violations([path])) == 2
+    assert len(string_dispatch_violations([path])) == 2

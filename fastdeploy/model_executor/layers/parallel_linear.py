@@ -16,6 +16,7 @@ local slice. With ``tp=None`` (or one rank) each layer is its unsharded base cla
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,30 +61,29 @@ def rank_slice(loaded: torch.Tensor, dim: int, rank: int, world: int, name: str)
     return loaded.narrow(dim, rank * size, size)
 
 
-class _RowsPerShard:
-    """Loading of a merged column-parallel layer: each checkpoint shard (q, k, v; gate, up) is
-    loaded full and this rank keeps its contiguous rows of it."""
+def shard_rows(
+    layer: torch.nn.Module,
+    param_name: str,
+    loaded: torch.Tensor,
+    shard_id: Hashable | None,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
+    """This rank's contiguous rows of one full checkpoint shard (q, k, v; gate, up) of a merged
+    column-parallel ``layer``; the whole tensor without TP.
 
-    tp_rank: int
-    tp_world: int
-
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        """Load this rank's rows of one full checkpoint shard.
-
-        Raises:
-            KeyError: ``shard_id`` None under TP (a merged checkpoint tensor interleaves the
-                shards, so it cannot be sliced by rank).
-        """
-        if shard_id is None and self.tp_world > 1:
-            raise KeyError(f"{type(self).__name__} under TP loads one shard at a time")
-        if shard_id is not None:
-            loaded = rank_slice(loaded, 0, self.tp_rank, self.tp_world, f"{param_name}[{shard_id}]")
-        super().load_weight(param_name, loaded, shard_id)
+    Raises:
+        KeyError: ``shard_id`` None under TP (a merged checkpoint tensor interleaves the shards,
+            so it cannot be sliced by rank).
+    """
+    if shard_id is None and world > 1:
+        raise KeyError(f"{type(layer).__name__} under TP loads one shard at a time")
+    if shard_id is None:
+        return loaded
+    return rank_slice(loaded, 0, rank, world, f"{param_name}[{shard_id}]")
 
 
-class MergedColumnParallelLinear(_RowsPerShard, MergedLinear):
+class MergedColumnParallelLinear(MergedLinear):
     """Merged projections (gate/up) with each shard's output rows split across ranks.
 
     Args:
@@ -108,8 +108,15 @@ class MergedColumnParallelLinear(_RowsPerShard, MergedLinear):
         ]
         super().__init__(input_size, local, shard_ids, bias=bias, dtype=dtype)
 
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of one full checkpoint shard (:func:`shard_rows`)."""
+        loaded = shard_rows(self, param_name, loaded, shard_id, self.tp_rank, self.tp_world)
+        super().load_weight(param_name, loaded, shard_id)
 
-class QKVParallelLinear(_RowsPerShard, QKVLinear):
+
+class QKVParallelLinear(QKVLinear):
     """Merged q/k/v with the heads split across ranks: each rank holds ``num_heads / N`` query
     heads and ``num_kv_heads / N`` KV heads.
 
@@ -132,6 +139,13 @@ class QKVParallelLinear(_RowsPerShard, QKVLinear):
         heads = divide(num_heads, self.tp_world, "num_attention_heads")
         kv_heads = divide(num_kv_heads, self.tp_world, "num_key_value_heads")
         super().__init__(hidden_size, head_dim, heads, kv_heads, bias=bias, dtype=dtype)
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of one full checkpoint shard (:func:`shard_rows`)."""
+        loaded = shard_rows(self, param_name, loaded, shard_id, self.tp_rank, self.tp_world)
+        super().load_weight(param_name, loaded, shard_id)
 
 
 class RowParallelLinear(Linear):
@@ -176,38 +190,56 @@ class RowParallelLinear(Linear):
         super().load_weight(param_name, loaded, shard_id)
 
 
-class _VocabRange:
-    """A vocabulary split into ``N`` contiguous ranges of ``ceil(vocab / N)`` rows (the last one
-    padded); this rank holds rows ``vocab_start ..`` of the full ``[vocab, hidden]`` weight."""
+@dataclass(frozen=True)
+class VocabRange:
+    """A vocabulary split into ``world`` contiguous ranges of ``ceil(vocab / world)`` rows (the
+    last one padded); this rank holds rows ``start .. start + per_rank`` of the full
+    ``[vocab, hidden]`` weight.
 
-    weight: torch.nn.Parameter
+    Attributes:
+        vocab: the full vocabulary size.
+        rank, world: this rank and the rank count (0 and 1 without TP).
+        per_rank: rows each rank holds.
+        start: this rank's first row.
+    """
 
-    def _init_range(self, vocab: int, tp: TPGroup | None) -> int:
-        """Set the rank fields; returns the rows per rank."""
-        self.tp_rank, self.tp_world = tp_rank_world(tp)
-        self.full_vocab = vocab
-        self.tp = tp
-        per_rank = -(-vocab // self.tp_world)
-        self.vocab_start = self.tp_rank * per_rank
-        return per_rank
+    vocab: int
+    rank: int
+    world: int
+    per_rank: int
+    start: int
 
-    def load_weight(
-        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
-    ) -> None:
-        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
-        if param_name != "weight" or shard_id is not None:
-            raise KeyError(f"{type(self).__name__} has only 'weight'")
-        self.load_full(loaded)
+    @classmethod
+    def of(cls, vocab: int, tp: TPGroup | None) -> VocabRange:
+        """The range of this rank of ``tp`` (None: the whole vocabulary)."""
+        rank, world = tp_rank_world(tp)
+        per_rank = -(-vocab // world)
+        return cls(vocab, rank, world, per_rank, rank * per_rank)
 
-    def load_full(self, loaded: torch.Tensor) -> None:
-        """Load this rank's rows of the full ``[vocab, hidden]`` weight (pad rows zero)."""
-        rows = loaded[self.vocab_start : self.vocab_start + self.weight.shape[0]]
+    def load(self, weight: torch.nn.Parameter, loaded: torch.Tensor, owner: str) -> None:
+        """Copy this rank's rows of the full ``[vocab, hidden]`` ``loaded`` into ``weight``
+        (``[per_rank, hidden]``), zeroing the padding rows.
+
+        Raises:
+            ValueError: a shape or dtype that does not match (``copy_weight``'s message).
+        """
+        rows = loaded[self.start : self.start + weight.shape[0]]
         with torch.no_grad():
-            self.weight.zero_()
-        copy_weight(self.weight.narrow(0, 0, rows.shape[0]), rows, f"{type(self).__name__}.weight")
+            weight.zero_()
+        copy_weight(weight.narrow(0, 0, rows.shape[0]), rows, f"{owner}.weight")
 
 
-class VocabParallelEmbedding(_VocabRange, VocabEmbedding):
+def load_vocab_weight(layer: torch.nn.Module, param_name: str, shard_id: Hashable | None) -> None:
+    """Refuse anything but the one full ``weight`` of a vocabulary-parallel ``layer``.
+
+    Raises:
+        KeyError: another parameter name, or a shard id.
+    """
+    if param_name != "weight" or shard_id is not None:
+        raise KeyError(f"{type(layer).__name__} has only 'weight'")
+
+
+class VocabParallelEmbedding(VocabEmbedding):
     """The vocabulary in ``N`` contiguous ranges (padded up to a multiple of ``N``); ids outside
     this rank's range look up zeros, and an all-reduce sums the ranks."""
 
@@ -218,8 +250,22 @@ class VocabParallelEmbedding(_VocabRange, VocabEmbedding):
         dtype: torch.dtype | None = None,
         tp: TPGroup | None = None,
     ):
-        per_rank = self._init_range(num_embeddings, tp)
-        super().__init__(per_rank, embedding_dim, dtype=dtype)
+        self.vocab_range = VocabRange.of(num_embeddings, tp)
+        self.tp_rank, self.tp_world = self.vocab_range.rank, self.vocab_range.world
+        self.full_vocab, self.vocab_start = num_embeddings, self.vocab_range.start
+        self.tp = tp
+        super().__init__(self.vocab_range.per_rank, embedding_dim, dtype=dtype)
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
+        load_vocab_weight(self, param_name, shard_id)
+        self.load_full(loaded)
+
+    def load_full(self, loaded: torch.Tensor) -> None:
+        """Load this rank's rows of the full ``[vocab, hidden]`` weight (pad rows zero)."""
+        self.vocab_range.load(self.weight, loaded, type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_world == 1:
@@ -231,7 +277,7 @@ class VocabParallelEmbedding(_VocabRange, VocabEmbedding):
         return all_reduce(out, self.tp)
 
 
-class ParallelLMHead(_VocabRange, LMHead):
+class ParallelLMHead(LMHead):
     """Each rank computes the logits of its vocabulary range; :meth:`forward` all-gathers them
     and drops the padding, so every rank gets ``[N, vocab]``."""
 
@@ -242,8 +288,22 @@ class ParallelLMHead(_VocabRange, LMHead):
         dtype: torch.dtype | None = None,
         tp: TPGroup | None = None,
     ):
-        per_rank = self._init_range(vocab_size, tp)
-        super().__init__(per_rank, hidden_size, dtype=dtype)
+        self.vocab_range = VocabRange.of(vocab_size, tp)
+        self.tp_rank, self.tp_world = self.vocab_range.rank, self.vocab_range.world
+        self.full_vocab, self.vocab_start = vocab_size, self.vocab_range.start
+        self.tp = tp
+        super().__init__(self.vocab_range.per_rank, hidden_size, dtype=dtype)
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None:
+        """Load this rank's rows of the full checkpoint ``weight`` (see :meth:`load_full`)."""
+        load_vocab_weight(self, param_name, shard_id)
+        self.load_full(loaded)
+
+    def load_full(self, loaded: torch.Tensor) -> None:
+        """Load this rank's rows of the full ``[vocab, hidden]`` weight (pad rows zero)."""
+        self.vocab_range.load(self.weight, loaded, type(self).__name__)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         local = linear(hidden_states, self.weight, out_dtype=torch.float32)
