@@ -36,7 +36,6 @@ Lifetime:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -47,6 +46,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fastdeploy.core import cpu_threads
 from fastdeploy.core.outputs import EngineOutputList
 from fastdeploy.engine.engine_loop import Command, Emit, EngineLoop, StopLoop
 from fastdeploy.engine.pipe_frames import FrameReader
@@ -137,6 +137,8 @@ class EngineCoreClient:
         #: The engine process's pid (for ``/v1/server_info``: what to watch or signal).
         self.engine_pid: int | None = info.get("pid")
         self._describe = {"config": info["config"], "graph_plan": info["graph_plan"]}
+        #: The engine process's :class:`~fastdeploy.core.cpu_threads.ThreadSettings`.
+        self.engine_threads: cpu_threads.ThreadSettings = info["threads"]
 
     def _engine_alive(self) -> bool:
         """Whether the engine process may still answer (its own process can tell; a front end
@@ -314,8 +316,8 @@ class EngineCoreProcess(EngineCoreClient):
             kwargs={"extra_frontends": [(c_recv, o_send) for (c_recv, _), (_, o_send) in extra]},
             name="fastdeploy-engine-core",
         )
-        with _cpu_wait_policy(config.device_config.device):
-            self.proc.start()
+        # Inherits OMP_WAIT_POLICY=PASSIVE (fastdeploy.core.cpu_threads: set on import).
+        self.proc.start()
         for conn in [cmd_recv, out_send] + [c for pair in extra for c in (pair[0][0], pair[1][1])]:
             conn.close()
         self._attach(config, cmd_send, out_recv)
@@ -356,23 +358,6 @@ class EngineCoreProcess(EngineCoreClient):
         self.proc.join(10)
         self.release_extra_frontends()
         self.close()
-
-
-@contextlib.contextmanager
-def _cpu_wait_policy(device: str):
-    """On CPU, start the engine process with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is
-    set: it shares the cores with the server process (and a PD node's transport threads), and
-    OpenMP workers that spin while waiting collapse when the cores are oversubscribed. Measured
-    on a 2-core machine with two busy processes beside the server: 12 tokens took 13.6 s with
-    the default policy and 0.7 s with PASSIVE (0.61 s against 0.42 s on idle cores)."""
-    if device != "cpu" or "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 # ---------------------------------------------------------------------- engine process
@@ -434,6 +419,7 @@ def run_engine_core(
                 "config": engine.config.to_dict(),
                 "graph_plan": engine.graph_plan.to_dict(),
                 "pid": os.getpid(),
+                "threads": cpu_threads.thread_settings(),
             },
         )
         EngineLoop(engine, commands, emit).run()
