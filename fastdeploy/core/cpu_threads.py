@@ -15,6 +15,9 @@ the same in both (torch's defaults, intra-op = inter-op = the physical cores), o
 differed, and the same request under CPU contention took 18-24 s offline against 1.7-1.9 s through
 the server. Both paths now take their settings from :func:`engine_thread_env`, applied by
 :func:`set_engine_thread_env` when ``fastdeploy`` is imported (before anything of it imports torch).
+Measured again on a 2-core host shared with other jobs (load average ~10), one 32-token greedy
+chat request on the default model: offline 33-119 s before, 4.7-5.0 s after (8.6-10.3 s with only
+the variable set by hand, 13.7-15.4 s with ``torch.set_num_threads(1)``); the server 2.3-6.4 s.
 
 This module imports no torch at import time (it must run before torch loads).
 """
@@ -38,6 +41,7 @@ ENGINE_WAIT_POLICY = "PASSIVE"
 # imported torch first; nothing changes the runtime after it loaded).
 _UNKNOWN = object()
 _loaded_wait_policy: object = _UNKNOWN
+_warned = False  # the spinning runtime's warning: once a process
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,8 @@ def thread_settings() -> ThreadSettings:
 def check_engine_threads(device: str) -> ThreadSettings:
     """Check the settings of this process before it runs engine steps in-process (the offline
     ``LLM``); on CPU, warn when its OpenMP runtime spins (torch was imported before fastdeploy
-    with ``OMP_WAIT_POLICY`` unset): under CPU contention every step may then take ~10x longer.
+    with ``OMP_WAIT_POLICY`` unset; once a process): under CPU contention every step may then take
+    ~10x longer.
 
     Args:
         device: ``cpu``, ``cuda`` or ``auto`` (``cuda`` when available), as ``--device``.
@@ -108,8 +113,10 @@ def check_engine_threads(device: str) -> ThreadSettings:
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    global _warned
     settings = thread_settings()
-    if device == "cpu" and settings.omp_wait_policy is None:
+    if device == "cpu" and settings.omp_wait_policy is None and not _warned:
+        _warned = True
         logger.warning(
             "torch was imported before fastdeploy with OMP_WAIT_POLICY unset: its OpenMP workers "
             "spin while they wait, and under CPU contention each engine step can take ~10x "
