@@ -16,8 +16,9 @@ differed, and the same request under CPU contention took 18-24 s offline against
 the server. Both paths now take their settings from :func:`engine_thread_env`, applied by
 :func:`set_engine_thread_env` when ``fastdeploy`` is imported (before anything of it imports torch).
 Measured again on a 2-core host shared with other jobs (load average ~10), one 32-token greedy
-chat request on the default model: offline 33-119 s before, 4.7-5.0 s after (8.6-10.3 s with only
-the variable set by hand, 13.7-15.4 s with ``torch.set_num_threads(1)``); the server 2.3-6.4 s.
+chat request on the default model: offline 33-119 s before, 4.7-5.0 s after (8.6-10.3 s in an
+earlier run with the variable set by hand, as the load varied; 13.7-15.4 s with one intra-op
+thread and the spinning policy); through the server 2.3-6.4 s.
 
 This module imports no torch at import time (it must run before torch loads).
 """
