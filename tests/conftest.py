@@ -22,9 +22,13 @@ import threading
 
 import pytest
 
-# Short probes that libraries run while importing or describing the host (platform.processor(),
-# ctypes.util.find_library): not processes a test starts.
-PROBES = {"uname", "ldconfig", "ldconfig.real", "gcc", "cc", "ld", "objdump", "nvidia-smi"}
+# Short-lived tools that libraries run while importing, describing the host or compiling
+# (platform.processor(), ctypes.util.find_library, a benchmark's `git rev-parse`, torch.compile's
+# C++ compiler): not processes a test starts.
+PROBES = {
+    "uname", "ldconfig", "ldconfig.real", "ld", "objdump", "nvidia-smi", "git",
+    "gcc", "g++", "cc", "c++", "clang", "clang++", "nvcc", "ninja",
+}  # fmt: skip
 
 _current: pytest.Item | None = None
 _started: dict[str, list[str]] = {}
