@@ -6,6 +6,10 @@
 from __future__ import annotations
 
 from fastdeploy import envs as _envs
+from fastdeploy.core import cpu_threads as _cpu_threads
+
+# Before anything of fastdeploy imports torch: its OpenMP pool reads the wait policy once.
+_cpu_threads.set_engine_thread_env()
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

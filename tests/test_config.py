@@ -245,6 +245,7 @@ def test_use_unique_memory_pool_false_is_refused_with_the_reason():
     assert "shares one memory pool by design" in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("value", "level"), [("debug", 10), ("WARNING", 30), ("", 0)])
 def test_fd_log_level_sets_the_fastdeploy_logger(value, level):
     """FD_LOG_LEVEL does what its name says: the level of the 'fastdeploy' loggers (unset or

@@ -217,8 +217,9 @@ def test_the_circle_finder_finds_one():
 
 
 def server_side_violations() -> list[str]:
-    """Imports from the server's side of the process line of anything below it but the parts the
-    server may use (:data:`SERVER_MAY_IMPORT`); only :data:`ENGINE_LAUNCHERS` may import the engine."""
+    """Imports from the server's side of the process line of anything below it but the parts
+    the server may use (:data:`SERVER_MAY_IMPORT`); only :data:`ENGINE_LAUNCHERS` may import the
+    engine."""
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         here = module_name(path)

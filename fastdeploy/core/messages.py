@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastdeploy.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from fastdeploy.core.cpu_threads import ThreadSettings
     from fastdeploy.core.outputs import EngineOutput
 
 
@@ -169,12 +170,14 @@ class EngineReady(_Message):
         config: the resolved ``FDConfig.to_dict()``.
         deployment_plan: the engine's ``DeploymentPlan.to_dict()``.
         pid: the engine process's pid.
+        threads: the engine process's CPU thread settings (``core.cpu_threads.ThreadSettings``).
     """
 
     admission: AdmissionCheck
     config: dict
     deployment_plan: dict
     pid: int
+    threads: ThreadSettings
 
 
 @dataclass(frozen=True, slots=True)

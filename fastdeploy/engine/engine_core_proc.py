@@ -42,6 +42,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from fastdeploy.core import cpu_threads
 from fastdeploy.core.messages import (
     EngineDead,
     EngineMessage,
@@ -124,6 +125,7 @@ def run_engine_core(
                 config=engine.config.to_dict(),
                 deployment_plan=engine.plan.to_dict(),
                 pid=os.getpid(),
+                threads=cpu_threads.thread_settings(),
             )
         )
         EngineLoop(engine, commands, emit).run()

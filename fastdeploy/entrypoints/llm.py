@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from fastdeploy.core import cpu_threads
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
@@ -28,6 +29,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        # The engine runs in this process: with the thread settings of the server's engine process
+        # (fastdeploy.core.cpu_threads says why they matter).
+        self.thread_settings = cpu_threads.check_engine_threads(engine_args.get("device", "auto"))
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer = self.engine.tokenizer

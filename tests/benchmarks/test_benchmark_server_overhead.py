@@ -17,7 +17,13 @@ def load_benchmark():
     return load_benchmark_module("benchmark_server_overhead")
 
 
-@pytest.mark.parametrize("mode", [["--no-http"], []], ids=["no-http", "http"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(["--no-http"], id="no-http"),
+        pytest.param([], id="http", marks=pytest.mark.slow),  # the SSE client in a process
+    ],
+)
 def test_small_run_streams_every_token(mode, tmp_path, capsys):
     bench = load_benchmark()
     out = tmp_path / "run.json"

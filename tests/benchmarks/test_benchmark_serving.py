@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from support import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +88,7 @@ def test_warmup_prompts_are_never_timed_prompts():
     assert not set(sent[:2]) & set(sent[2:])
 
 
+@pytest.mark.slow
 def test_client_processes_share_the_load():
     """--num-clients 2: every prompt is sent once, from two processes, and the summary counts
     all of them; a count above the concurrency is refused naming the limit."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import transformers
 from support import load_benchmark_module
 
@@ -15,6 +16,7 @@ def load_benchmark():
     return load_benchmark_module("benchmark_tp")
 
 
+@pytest.mark.slow  # a process per TP rank
 def test_tp1_and_tp2_over_gloo(tmp_path, capsys):
     cfg = transformers.LlamaConfig(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

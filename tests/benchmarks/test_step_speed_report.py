@@ -108,6 +108,7 @@ def test_bad_input_is_named(tmp_path):
         report.main([str(tmp_path / "nowhere")])
 
 
+@pytest.mark.slow
 def test_driver_report_part_and_unknown_part(tmp_path):
     script = ROOT / "benchmarks" / "run_step_speed.sh"
     full_run(tmp_path)
@@ -120,6 +121,7 @@ def test_driver_report_part_and_unknown_part(tmp_path):
     assert bad.returncode == 2 and "unknown part 'everything'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_driver_served_part_on_cpu(tmp_path):
     # The served and offline rows end to end with a tiny model on CPU: the server starts, the
     # serving benchmark drives it, the server stops (the driver's trap also stops it on failure),

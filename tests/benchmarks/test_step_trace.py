@@ -16,6 +16,7 @@ from tiny_models import tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_an_offline_run_on_cpu_writes_a_record_per_step(tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()
@@ -78,6 +79,7 @@ def run_traced(tmp_path, prefix: str, script: str) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_a_trace_that_cannot_be_written_never_stops_the_traced_process(tmp_path):
     # Refused at start: a prefix that names a directory, or a directory that does not exist.
     for prefix in (f"{tmp_path}/", f"{tmp_path}/missing/tr"):
@@ -129,6 +131,7 @@ def test_the_report_splits_decode_steps_by_whether_they_re_planned(tmp_path, cap
     assert report.report(path, skip_s=0.015).startswith(f"{path}: 2 steps")
 
 
+@pytest.mark.slow
 def test_the_engine_loop_of_a_server_records_drain_stats_and_emit(tmp_path):
     """The parts around a step in the engine process's loop (served only): the commands drained
     before it, the counters read after it and the send of its message."""

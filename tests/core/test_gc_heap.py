@@ -115,6 +115,7 @@ def test_a_new_engine_frees_one_dropped_without_shutdown(monkeypatch, tiny_dir):
     second.engine.shutdown()
 
 
+@pytest.mark.slow
 def test_server_with_a_bad_value_exits_2_before_the_model_loads(tmp_path):
     import os
     import subprocess

@@ -158,6 +158,7 @@ def test_no_step_of_the_default_ladders_exceeds_the_workspace(
     assert largest <= limit, (largest, limit)
 
 
+@pytest.mark.slow
 def test_layers_fused_path_fallback_and_biases(tmp_path):
     """TP=2 over gloo with a stand-in fused op (workspace for 8 tokens): the 5-token step runs
     every norm after a row-parallel layer fused (2 per layer: post-attention and the next input

@@ -138,6 +138,7 @@ def seeded_tokens(llm: LLM) -> list[int]:
     return llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_tp2_gives_the_tokens_of_tp1(model_dirs, tp1_tokens, name):
     """Chunked prefill (45 tokens over a 32-token budget) and mixed steps included."""
@@ -160,6 +161,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dirs, tp1_tokens, name):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_engine_naming_it_within_10_s(model_dirs):
     llm = start(model_dirs["llama"], 2)
     try:
@@ -197,6 +199,7 @@ SERVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_server_at_tp2_and_sigterm_ends_every_rank(model_dirs, tp1_tokens):
     """Greedy tokens through ``/v1/completions`` equal ``LLM`` at TP=1; SIGTERM to the server
     stops it (exit 0) and its rank process with it."""
@@ -272,6 +275,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_host(model_dirs, tp1_tokens):
     """``--nnodes 2``: node 0 is the engine (rank 0 only), node 1 runs rank 1 in ``run_node``;
     the plan and the block count come from rank 0."""
@@ -295,6 +299,7 @@ def test_two_nodes_on_one_host(model_dirs, tp1_tokens):
         node1.kill()
 
 
+@pytest.mark.slow
 def test_second_node_through_the_cli(model_dirs, tp1_tokens):
     """``fastdeploy serve --node-rank 1`` runs node 1's rank (``run_node``), no server: it binds
     no port, follows node 0's engine and exits 0 when that engine shuts down."""
@@ -326,6 +331,7 @@ def test_second_node_through_the_cli(model_dirs, tp1_tokens):
         node1.wait()
 
 
+@pytest.mark.slow
 def test_loaders_shard_safetensors_gguf_and_dummy_weights(model_dirs, tmp_path):
     """Each rank's shard, loaded by ``get_model(..., tp=...)``, gives the whole model's logits
     and tokens: from safetensors, from a GGUF file (Q/K rows permuted by llama.cpp's converter)

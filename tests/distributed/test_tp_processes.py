@@ -39,6 +39,7 @@ def run_two_ranks(target, tmp_path, *extra, timeout_s: float = 180) -> None:
                 p.kill()
 
 
+@pytest.mark.slow
 def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
     run_two_ranks(collective_rank, tmp_path)
     for rank in range(2):
@@ -51,6 +52,7 @@ def test_collectives_and_step_broadcast_between_two_ranks(tmp_path):
         assert empty is None
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_named_within_seconds_and_stop_ends_all():
     ranks = RankProcesses(die_rank, [1], args=(3,)).start()
     stubborn = RankProcesses(stubborn_rank, [2]).start()
@@ -73,6 +75,7 @@ def test_bad_dist_init_addr(bad):
         parse_dist_init_addr(bad)
 
 
+@pytest.mark.slow
 def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
     run_two_ranks(layers_rank, tmp_path)
     for rank in range(2):
@@ -86,6 +89,7 @@ def test_parallel_layers_equal_their_unsharded_twins(tmp_path):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_tiny_model_at_tp2_equals_tp1(tmp_path, name):
     """Float32 on CPU over gloo: the sharded model, loaded from the full model's checkpoint

@@ -70,6 +70,7 @@ async def serve(core, prompts, params=GREEDY):
         await engine.shutdown()
 
 
+@pytest.mark.slow
 def test_process_gives_the_thread_engines_tokens_and_stops(tiny_dir):
     from fastdeploy.engine.engine import LLMEngine
 
@@ -86,6 +87,7 @@ def test_process_gives_the_thread_engines_tokens_and_stops(tiny_dir):
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_a_bad_request_is_refused_in_the_server_process(tiny_dir):
     core = EngineCoreProcess(*config_of(tiny_dir, max_model_len=32), log_level="warning")
 
@@ -105,6 +107,7 @@ def test_a_bad_request_is_refused_in_the_server_process(tiny_dir):
     assert len(asyncio.run(run())[0]) == 12
 
 
+@pytest.mark.slow
 def test_a_start_up_error_is_raised_in_the_server_and_the_process_exits(tiny_dir):
     # 2 blocks of 16 tokens: no request fits, which LLMEngine refuses while starting.
     config, plan = config_of(tiny_dir, num_gpu_blocks_override=1)
@@ -115,6 +118,7 @@ def test_a_start_up_error_is_raised_in_the_server_and_the_process_exits(tiny_dir
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_fails_the_requests_in_flight(tiny_dir):
     core = EngineCoreProcess(*config_of(tiny_dir), log_level="error")
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -160,6 +164,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_killed_server_process_ends_the_engine_process(tiny_dir, tmp_path):
     script = tmp_path / "server.py"
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -371,6 +376,7 @@ def test_the_loop_sends_counters_once_per_step_and_after_commands_no_step_follow
     ],
     ids=["small-steps", "steps-over-a-pipe", "steps-over-a-pipe-uvloop", "1000-outputs-uvloop"],
 )
+@pytest.mark.slow
 def test_a_burst_of_large_commands_during_large_step_messages_does_not_deadlock(burst):
     """The server writes commands on its asyncio thread while the engine process writes step
     messages; if the engine read its commands only between steps, both writes could wait on a

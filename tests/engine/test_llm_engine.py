@@ -292,6 +292,7 @@ def test_segments_that_write_the_kv_cache_compose_to_the_model_forward(llm):
         torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # torch.compile starts its compile workers in processes
 def test_compiled_segments_match_eager_and_all_compile(llm):
     """graph_opt_level 1 on CPU: every segment is compiled by Inductor (none silently left eager
     by dynamo's recompile limit, here set to 1 to force the issue) and the composition equals

@@ -141,6 +141,7 @@ def run_cli(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProce
     return out, time.monotonic() - started
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_error_line_and_exit_2():
     out, seconds = run_cli("--device", "cuda", "--port", "0")
@@ -151,6 +152,7 @@ def test_device_cuda_without_cuda_is_one_error_line_and_exit_2():
     assert seconds < 60  # refused before the model's config is read
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_refused_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -170,6 +172,7 @@ def test_serve_help_shows_the_cpu_kv_cache_space():
     assert "GiB of host memory given to the KV cache" in text
 
 
+@pytest.mark.slow
 def test_print_config_imports_neither_the_web_stack_nor_the_engine():
     code = (
         "import sys, contextlib, io\n"

@@ -167,6 +167,7 @@ def test_sigstopped_engine_process_is_reported_then_recovers(count, tmp_path):
         assert "engine has not finished a step" in srv.log(10**9)  # logged at the start
 
 
+@pytest.mark.slow
 def test_a_bad_threshold_exits_2_naming_the_flag():
     import subprocess
     import sys

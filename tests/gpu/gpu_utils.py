@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.model_loader.dummy_loader import export_hf_state_dict
 from fastdeploy.model_executor.model_loader.presets import write_preset
-
-#: Marks of every GPU test module: the ``gpu`` marker, skipped with a reason without CUDA.
-GPU_ONLY = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 # bf16 tolerances, measured on an H200 (see the issue notes): logits of a graph replay against the
 # eager run of the same engine, and of our engine against HF transformers with the same weights.

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY
 
 from custom_ops import argmax_ops
 from custom_ops.argmax_ops import CHUNK, argmax_rows, argmax_rows_triton
 
 pytestmark = [
-    *GPU_ONLY,
     pytest.mark.skipif(argmax_ops.triton is None, reason="needs Triton"),
 ]
 

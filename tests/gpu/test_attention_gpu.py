@@ -27,12 +27,9 @@ from attention_steps import (
     new_cache,
     reference_attention,
 )
-from gpu_utils import GPU_ONLY
 
 from custom_ops.kv_cache_ops import write_kv_cache_torch, write_kv_cache_triton
 from fastdeploy.model_executor.layers.attention.flashinfer_backend import paged_kv_layout
-
-pytestmark = GPU_ONLY
 
 
 # ---------------------------------------------------------------- KV write

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_utils import (
-    GPU_ONLY,
     GRAPH_LOGIT_ATOL,
     assert_greedy_matches_hf,
     greedy,
@@ -21,8 +20,6 @@ from gpu_utils import (
 from fastdeploy import SamplingParams
 from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
-
-pytestmark = GPU_ONLY
 
 GRAPHS = {"use_cudagraph": True, "full_cuda_graph": False}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_utils import (
-    GPU_ONLY,
     assert_greedy_matches_hf,
     greedy,
     hf_reference,
@@ -18,8 +17,6 @@ from gpu_utils import (
 )
 
 from fastdeploy import SamplingParams
-
-pytestmark = GPU_ONLY
 
 NO_GRAPHS = {"use_cudagraph": False}
 

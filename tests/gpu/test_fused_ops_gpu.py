@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY
 
 from fastdeploy.model_executor.layers import fused_ops
 from fastdeploy.model_executor.layers.activation import SiluAndMul
@@ -27,7 +26,6 @@ from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = [
-    *GPU_ONLY,
     pytest.mark.skipif(
         fused_ops.why_not_fused("cuda") is not None, reason="needs flashinfer and FD_USE_FUSED_OPS"
     ),

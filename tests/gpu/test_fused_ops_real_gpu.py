@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY
-from real_model import SlotRunner, real_gguf
+from real_model import SlotRunner
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers import fused_ops
@@ -37,7 +36,6 @@ from fastdeploy.model_executor.model_loader import get_model
 from fastdeploy.model_executor.model_loader.source import resolve_model
 
 pytestmark = [
-    *GPU_ONLY,
     pytest.mark.skipif(
         fused_ops.why_not_fused("cuda") is not None, reason="needs flashinfer and FD_USE_FUSED_OPS"
     ),
@@ -57,10 +55,10 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def recorded():
+def recorded(real_gguf):
     """The bf16 model and each op's inputs on one prefill of :data:`TEXT`, recorded from the
     torch reference path (every fused op off)."""
-    source = resolve_model(real_gguf(), "auto")
+    source = resolve_model(real_gguf, "auto")
     model = get_model(source, torch.bfloat16, "cuda", 0)
     ids = source.load_tokenizer().encode(TEXT, add_special_tokens=False)
     calls = {"norm": [], "addnorm": [], "rope": [], "silu": [], "head": []}

@@ -24,11 +24,8 @@ from attention_steps import (
     new_cache,
     reference_attention,
 )
-from gpu_utils import GPU_ONLY
 
 from fastdeploy.model_executor.layers.attention.backend import AttentionBatch
-
-pytestmark = GPU_ONLY
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 from gpu_utils import (
-    GPU_ONLY,
     assert_greedy_matches_hf,
     greedy,
     hf_reference,
@@ -16,8 +15,6 @@ from gpu_utils import (
     preset_dir,
     random_prompts,
 )
-
-pytestmark = GPU_ONLY
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -28,14 +28,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY, GRAPH_LOGIT_ATOL, preset_dir
+from gpu_utils import GRAPH_LOGIT_ATOL, preset_dir
 
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.worker.host_kv_pool import HostKVPool
-
-pytestmark = GPU_ONLY
 
 BLOCK = 64
 LONG = 16384  # tokens of the TTFT prompts

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY, NEAR_TIE, greedy, make_llm, preset_dir, random_prompts
+from gpu_utils import NEAR_TIE, greedy, make_llm, preset_dir, random_prompts
 
 from fastdeploy import SamplingParams
 from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
-
-pytestmark = GPU_ONLY
 
 PREFILL_BUCKETS = [8192, 1024, 512, 128, 104, 64, 16]
 DECODE_BUCKETS = [64, 16, 8, 1]

@@ -17,12 +17,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY, make_llm, preset_dir, random_prompts
+from gpu_utils import make_llm, preset_dir, random_prompts
 
 from fastdeploy import SamplingParams
 from fastdeploy.worker.async_output import OutputStager
-
-pytestmark = GPU_ONLY
 
 GRAPHS = {
     "graphs": {"use_cudagraph": True, "full_cuda_graph": False},

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gpu_utils import GPU_ONLY
 from test_serve_gpu import write_tokenizer
 
 from fastdeploy.model_executor.model_loader.presets import write_preset
@@ -28,7 +27,7 @@ from fastdeploy.model_executor.model_loader.presets import write_preset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "splitwise"))
 from pd_cluster import Cluster, free_port  # noqa: E402
 
-pytestmark = GPU_ONLY
+pytestmark = pytest.mark.slow  # PD nodes in processes
 
 PROTOCOLS = ["tcp"]
 try:

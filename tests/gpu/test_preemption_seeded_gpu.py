@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY, NEAR_TIE, hf_reference, make_llm, preset_dir, random_prompts
+from gpu_utils import NEAR_TIE, hf_reference, make_llm, preset_dir, random_prompts
 
 from fastdeploy import SamplingParams
-
-pytestmark = GPU_ONLY
 
 GRAPHS = {"use_cudagraph": True, "full_cuda_graph": False}
 TEMPERATURE = 0.8

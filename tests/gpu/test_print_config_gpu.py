@@ -12,9 +12,10 @@ import json
 import subprocess
 import sys
 
-from gpu_utils import GPU_ONLY, make_llm, preset_dir
+import pytest
+from gpu_utils import make_llm, preset_dir
 
-pytestmark = GPU_ONLY
+pytestmark = pytest.mark.slow  # fastdeploy serve --print-config in a process
 
 ENGINE = {
     "max_num_seqs": 8,

@@ -14,12 +14,12 @@ import sys
 import time
 
 import httpx
-from gpu_utils import GPU_ONLY
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastdeploy.model_executor.model_loader.presets import write_preset
 
-pytestmark = GPU_ONLY
+pytestmark = pytest.mark.slow  # fastdeploy serve in a process
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"

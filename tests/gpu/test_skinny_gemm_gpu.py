@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_utils import GPU_ONLY
 
 from custom_ops import skinny_gemm
 from custom_ops.skinny_gemm import (
@@ -31,7 +30,6 @@ from custom_ops.skinny_gemm import (
 from fastdeploy.model_executor.layers.linear import gated_silu_linear, linear
 
 pytestmark = [
-    *GPU_ONLY,
     pytest.mark.skipif(skinny_gemm.triton is None, reason="needs Triton"),
 ]
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import GPU_ONLY, NEAR_TIE, make_llm, preset_dir, random_prompts
+from gpu_utils import NEAR_TIE, make_llm, preset_dir, random_prompts
 
 from fastdeploy import SamplingParams
 
 pytestmark = [
-    *GPU_ONLY,
+    pytest.mark.slow,  # a process per TP rank
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 

@@ -66,6 +66,7 @@ def test_config_errors_name_the_value(kwargs, message):
         RouterConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_bad_flag_exits_2_with_one_error_line():
     out = subprocess.run(
         [sys.executable, "-m", "fastdeploy.router", "--backend", "localhost:8000"],
@@ -294,6 +295,7 @@ def test_a_backend_stalling_after_its_headers_is_never_a_200_nor_ok():
         assert metric(url, "fastdeploy:router_requests_total", outcome="ok") == 0
 
 
+@pytest.mark.slow
 def test_a_busy_port_is_one_error_line_and_exit_2():
     import socket
 
@@ -310,6 +312,7 @@ def test_a_busy_port_is_one_error_line_and_exit_2():
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: --port={port} on 127.0.0.1")
 
 
+@pytest.mark.slow
 def test_fastdeploy_router_subcommand():
     """``fastdeploy router`` is the same command as ``python -m fastdeploy.router``."""
     from fastdeploy.entrypoints.cli.main import build_parser

@@ -106,6 +106,7 @@ KV = PDAuth(SECRET).sign_reference(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_what_vllm_router_sends_validates(tmp_path, path, stream):

@@ -70,6 +70,7 @@ def test_pull_between_two_agents_and_layout_check():
         decode.start_pull("r2", {**remote, "block_bytes": 8}, [1], [1])
 
 
+@pytest.mark.slow
 @needs_nixl
 def test_killed_peer_fails_the_pull():
     from fastdeploy.splitwise.nixl_transport import NixlKVTransport

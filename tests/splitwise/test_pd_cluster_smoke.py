@@ -34,6 +34,7 @@ def content(r: httpx.Response) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_a_failing_test_leaves_no_process(tmp_path):
     cluster = Cluster(tmp_path, grace_s=0.5)
     with pytest.raises(RuntimeError, match="the test failed"), cluster:
@@ -49,6 +50,7 @@ def test_a_failing_test_leaves_no_process(tmp_path):
     assert time.monotonic() - t_fail < 5
 
 
+@pytest.mark.slow
 def test_a_dead_server_fails_fast_with_its_output(tmp_path):
     with Cluster(tmp_path) as cluster:
         proc = cluster.start_server(["--max-num-seqs", "0"], name="bad")

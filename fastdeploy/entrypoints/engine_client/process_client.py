@@ -24,15 +24,14 @@ Lifetime, on this side:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from fastdeploy.core.cpu_threads import ThreadSettings
 from fastdeploy.core.messages import (
     AdmissionCheck,
     Command,
@@ -123,6 +122,8 @@ class EngineCoreClient:
         #: The engine process's pid (for ``/v1/server_info``: what to watch or signal).
         self.engine_pid: int | None = ready.pid
         self._describe = {"config": ready.config, "deployment_plan": ready.deployment_plan}
+        #: The engine process's :class:`~fastdeploy.core.cpu_threads.ThreadSettings`.
+        self.engine_threads: ThreadSettings = ready.threads
 
     def _engine_alive(self) -> bool:
         """Whether the engine process may still answer (its own process can tell; a front end
@@ -320,8 +321,8 @@ class EngineCoreProcess(EngineCoreClient):
             kwargs={"extra_frontends": [(c_recv, o_send) for (c_recv, _), (_, o_send) in extra]},
             name="fastdeploy-engine-core",
         )
-        with _cpu_wait_policy(config.device_config.device):
-            self.proc.start()
+        # Inherits OMP_WAIT_POLICY=PASSIVE (fastdeploy.core.cpu_threads: set on import).
+        self.proc.start()
         for conn in [cmd_recv, out_send] + [c for pair in extra for c in (pair[0][0], pair[1][1])]:
             conn.close()
         self._attach(config, cmd_send, out_recv)
@@ -362,20 +363,3 @@ class EngineCoreProcess(EngineCoreClient):
         self.proc.join(10)
         self.release_extra_frontends()
         self.close()
-
-
-@contextlib.contextmanager
-def _cpu_wait_policy(device: str) -> Iterator[None]:
-    """On CPU, start the engine process with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is
-    set: it shares the cores with the server process (and a PD node's transport threads), and
-    OpenMP workers that spin while waiting collapse when the cores are oversubscribed. Measured
-    on a 2-core machine with two busy processes beside the server: 12 tokens took 13.6 s with
-    the default policy and 0.7 s with PASSIVE (0.61 s against 0.42 s on idle cores)."""
-    if device != "cpu" or "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
