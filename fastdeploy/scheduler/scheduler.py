@@ -186,9 +186,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting, running, or waiting for its remote KV or swap-in."""
-        return bool(
-            self.waiting or self.running or len(self.remote_kv) or len(self.swap_in)
-        )
+        return bool(self.waiting or self.running or len(self.remote_kv) or len(self.swap_in))
 
     def get_request(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, or ``None``."""

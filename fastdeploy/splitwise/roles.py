@@ -9,6 +9,7 @@ thread (``docs/pd-disaggregation.md``, shared docs).
   finished pulls, and heartbeats the prefill nodes of requests still waiting for blocks so their
   leases do not run out.
 
+Both implement :class:`~fastdeploy.splitwise.pd_role.PDRole`, the engine's one view of them.
 The transport (``tcp`` or ``nixl``) is registered once with the KV caches; the engine never sees
 its types. With a PD secret (``--pd-secret-file`` or ``FD_PD_SECRET``) both roles sign what they
 send and refuse what is not signed (:mod:`~fastdeploy.splitwise.pd_auth`); without one they warn
@@ -25,6 +26,7 @@ from typing import Any
 
 from fastdeploy.config import FDConfig
 from fastdeploy.splitwise.pd_auth import PDAuth, PrefillTrust, is_loopback, set_process_auth
+from fastdeploy.splitwise.pd_role import PDRole
 from fastdeploy.splitwise.prefill_control import PrefillControl
 from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg, prompt_fingerprint
 from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
@@ -215,6 +217,9 @@ def check_kv_transfer_params(role: str, params: Any, layout: dict[str, Any]) -> 
 class _Role:
     """What both roles share: the transport, the side channel and counters."""
 
+    #: Which prefill nodes decode legs may name (a decode node's; checked at admission).
+    trust: PrefillTrust | None = None
+
     def __init__(
         self,
         config: FDConfig,
@@ -225,6 +230,7 @@ class _Role:
         sw = config.splitwise_config
         self.config = sw
         self.layout = layout
+        self.failure_policy = sw.kv_load_failure_policy
         self.engine_id = f"{config.parallel_config.splitwise_role}-{uuid.uuid4().hex[:12]}"
         self.auth = PDAuth.from_secret_file(sw.pd_secret_file)
         set_process_auth(self.auth)  # every send_control of this process signs with it
@@ -345,6 +351,34 @@ class PrefillRole(_Role):
         """Blocks held for decode nodes, or released and not yet freed."""
         return self.control.has_work
 
+    # A prefill node pulls nothing: the decode side of PDRole answers "nothing".
+    @property
+    def in_flight(self) -> int:
+        """0: a prefill node pulls nothing."""
+        return 0
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Nothing to wake for: what decode nodes release is freed by stepping (``has_pending``)."""
+
+    def poll(self) -> list[PullResult]:
+        """[]: a prefill node pulls nothing."""
+        return []
+
+    def set_waiting(self, remotes: list[RemotePrefill]) -> None:
+        """Nothing to heartbeat: a prefill node has no decode legs."""
+
+    def start(self, request_id: str, remote: RemotePrefill, block_ids: list[int], num_cached: int):
+        """Raises RuntimeError: a prefill node has no decode legs (admission refuses them)."""
+        raise _not_on("prefill", "start a pull")
+
+    def cancel(self, request_id: str) -> None:
+        """Raises RuntimeError: a prefill node has no decode legs."""
+        raise _not_on("prefill", "cancel a pull")
+
+    def abort_remote(self, remote: RemotePrefill) -> None:
+        """Raises RuntimeError: a prefill node has no decode legs."""
+        raise _not_on("prefill", "abort a remote prefill")
+
     def stats(self) -> dict[str, Any]:
         return {
             "pending_sends": self.control.num_pending,
@@ -369,12 +403,10 @@ class DecodeRole(_Role):
     ) -> None:
         super().__init__(config, kv_caches, layout, self._handle)
         self.block_size = block_size
-        #: Which prefill nodes decode legs may name (checked at admission).
         self.trust = PrefillTrust(
             self.config.allowed_prefill_peers, self.auth.key if self.auth is not None else None
         )
         self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0, auth=self.auth)
-        self.failure_policy = self.config.kv_load_failure_policy
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0}
         self.failures: dict[str, int] = {}
         self._waiting: list[RemotePrefill] = []
@@ -384,6 +416,32 @@ class DecodeRole(_Role):
             target=self._heartbeats, name="pd-heartbeat", daemon=True
         )
         self._heartbeat.start()
+
+    # A decode node holds nothing for others: the prefill side of PDRole answers "nothing".
+    @property
+    def has_pending(self) -> bool:
+        """False: a decode node holds no blocks for other nodes."""
+        return False
+
+    def held_block_tables(self) -> list[list[int]]:
+        """[]: a decode node holds no blocks for other nodes."""
+        return []
+
+    def take_freed(self) -> list[tuple[str, list[int], str]]:
+        """[]: a decode node holds no blocks for other nodes."""
+        return []
+
+    def hold(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_prompt_tokens: int,
+        first_token_id: int,
+        first_token_logprobs: list[dict] | None = None,
+        prompt_hash: str | None = None,
+    ) -> dict[str, Any]:
+        """Raises RuntimeError: a decode node has no prefill legs (admission refuses them)."""
+        raise _not_on("decode", "hold blocks for a decode node")
 
     @staticmethod
     def _handle(op: str, message: dict) -> dict:
@@ -464,9 +522,13 @@ class DecodeRole(_Role):
         super().close()
 
 
+def _not_on(role: str, what: str) -> RuntimeError:
+    return RuntimeError(f"a {role} node cannot {what}: its admission refuses such a request leg")
+
+
 def make_role(
     config: FDConfig, kv_caches: list, layout: dict[str, Any], block_size: int
-) -> PrefillRole | DecodeRole | None:
+) -> PDRole | None:
     """The role object of ``config.parallel_config.splitwise_role`` (None for ``mixed``).
 
     Raises:
