@@ -466,14 +466,21 @@ class Scheduler:
             # Preempting the last running request itself is right when the blocks it lacks are
             # held outside the running batch (decode-leg requests waiting for their KV, a
             # prefill node's pending sends): it resumes once they are released.
-            self._preempt(victim)
+            self.preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free the blocks, reset counters, requeue at the front."""
+    def preempt(self, request: Request) -> None:
+        """Preempt a running request by recompute (the memory policy; :meth:`schedule` calls
+        this when a running request cannot get a block): free its blocks, reset its counters and
+        requeue it at the front of the waiting queue. A token still in flight is kept (see
+        :meth:`resolve`).
+
+        Raises:
+            ValueError: ``request`` is not running.
+        """
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
