@@ -308,7 +308,7 @@ class LLMEngine:
             leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         except ValueError:
             if self.config.parallel_config.splitwise_role == "decode":
-                from fastdeploy.splitwise.roles import release_refused_leg
+                from fastdeploy.splitwise.legs import release_refused_leg
 
                 # no decode node will pull them now
                 release_refused_leg(kv_transfer_params, self.admission().pd_trust)
