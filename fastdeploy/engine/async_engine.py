@@ -197,7 +197,7 @@ class AsyncLLMEngine:
         if admission is not None:
             return getattr(admission, "pd_trust", None)
         pd = getattr(getattr(self._core, "engine", None), "pd", None)  # ThreadCore
-        return getattr(pd, "trust", None)
+        return pd.trust if pd is not None else None  # a PDRole: both roles have trust
 
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``graph_plan`` as dicts (for /v1/server_info)."""
