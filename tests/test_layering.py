@@ -80,11 +80,25 @@ def module_name(path: Path) -> str:
     return ".".join(p for p in parts if p != "__init__")
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    """``(line, 'fastdeploy.x.y')`` for every import of the package in ``path``."""
+def type_checking_lines(tree: ast.AST) -> set[int]:
+    """The lines inside ``if TYPE_CHECKING:`` blocks (imports there never run)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def imported_modules(path: Path, runtime_only: bool = False) -> list[tuple[int, str]]:
+    """``(line, 'fastdeploy.x.y')`` for every import of the package in ``path``
+    (``runtime_only``: not those under ``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    skip = type_checking_lines(tree) if runtime_only else set()
     found = []
     for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -143,8 +157,9 @@ def test_the_walk_sees_lazy_and_package_imports(tmp_path, source, expected):
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (lazy imports included), by dotted name below
-    ``fastdeploy``; an import of a name inside a module counts as an import of that module."""
+    """Module -> the package modules it imports when it runs (lazy imports included, type-only
+    imports under ``if TYPE_CHECKING:`` not), by dotted name below ``fastdeploy``; an import of
+    a name inside a module counts as an import of that module."""
     modules = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
@@ -153,7 +168,7 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for _, imported in imported_modules(path):
+        for _, imported in imported_modules(path, runtime_only=True):
             target = imported.removeprefix("fastdeploy.")
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -214,6 +229,16 @@ def test_the_circle_finder_finds_one():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_only_imports_make_no_circle(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fastdeploy.a\n"
+        "def f():\n    import fastdeploy.b\n"
+    )
+    assert [n for _, n in imported_modules(path, runtime_only=True)] == ["fastdeploy.b"]
+    assert len(imported_modules(path)) == 2
 
 
 def server_side_violations() -> list[str]:

@@ -98,7 +98,7 @@ PARTS = {
     "out_stage": ("fastdeploy.worker.async_output", "OutputStager", "stage"),
     "result": ("fastdeploy.worker.async_output", "PendingOutput", "result"),
     "wait": ("fastdeploy.worker.async_output", "PendingOutput", "_wait"),  # for the tokens
-    "finish": ("fastdeploy.engine.engine", "LLMEngine", "_finish_step"),
+    "finish": ("fastdeploy.engine.step_pipeline", "StepPipeline", "finish"),
 }
 #: Steps buffered before a write.
 FLUSH_EVERY = 500

@@ -132,15 +132,6 @@ class EngineDead(_Message):
     error: BaseException
 
 
-class PrefillTrustCheck(Protocol):
-    """Which prefill nodes a decode node trusts
-    (:class:`~fastdeploy.splitwise.pd_auth.PrefillTrust`)."""
-
-    def check(self, params: dict[str, Any]) -> None:
-        """Raise when ``params`` (a decode leg's ``kv_transfer_params``) names a prefill node
-        this decode node does not trust."""
-
-
 class AdmissionCheck(Protocol):
     """What a front end checks requests against, fixed at the engine's start-up
     (:class:`~fastdeploy.engine.admission.Admission`, sent in :class:`EngineReady`)."""
@@ -149,7 +140,6 @@ class AdmissionCheck(Protocol):
     max_model_len_note: str | None
     vocab_size: int
     splitwise_role: str
-    pd_trust: PrefillTrustCheck | None
 
     def check(
         self,
@@ -158,6 +148,10 @@ class AdmissionCheck(Protocol):
         kv_transfer_params: dict | None = None,
     ) -> Any:
         """Check one request; raises ``ValueError`` naming what is wrong."""
+
+    def release_refused_leg(self, params: object) -> bool:
+        """Send the ABORT of a decode leg refused before admission to its prefill node, when
+        this node trusts that node; whether one was started."""
 
 
 @dataclass(frozen=True, slots=True)

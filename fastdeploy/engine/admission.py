@@ -83,6 +83,15 @@ class Admission:
             check_decode_leg(leg, prompt_token_ids, self.vocab_size, self.block_size)
         return leg
 
+    def release_refused_leg(self, params: object) -> bool:
+        """A decode leg refused before admission (any 4xx or 503): tell its prefill node to free
+        the blocks now, when ``params`` name one this node trusts (:attr:`pd_trust`; see
+        :func:`fastdeploy.splitwise.legs.release_refused_leg`). Runs in the server process, as
+        :meth:`check` does. Returns whether an ABORT was started."""
+        from fastdeploy.splitwise.legs import release_refused_leg
+
+        return release_refused_leg(params, self.pd_trust)
+
     def _check_prompt_logprobs(self, value: int, kv_transfer_params: dict | None) -> None:
         """Refuse ``prompt_logprobs`` where the prompt's logits are not all computed here:
         a PD role (a decode node pulls the prompt's KV, it computes no prompt logit; a prefill

@@ -9,8 +9,13 @@ stop string frees its KV blocks in the same step, and the front ends only pass t
 
 Where the deployment plan turns the overlap schedule on (rule 10; ``--disable-overlap-schedule``
 turns it off), ``step()`` launches step N before it reads step N-1's tokens, so the host schedules
-while the device computes; :mod:`fastdeploy.engine.overlap` says how stop conditions, aborts and
-preemption stay exact.
+while the device computes; :mod:`fastdeploy.engine.step_pipeline` says how stop conditions,
+aborts and preemption stay exact.
+
+The engine owns its parts rather than mixing them in: the step pipeline
+(:class:`~fastdeploy.engine.step_pipeline.StepPipeline`) launches and finishes steps, and on a PD
+node :class:`~fastdeploy.engine.pd_steps.PDSteps` does the prefill/decode bookkeeping around the
+node's role (a :class:`~fastdeploy.splitwise.pd_role.PDRole`).
 
 Admission is bounded by the KV pool: at start-up ``max_model_len`` is lowered, with a warning, to
 what the pool holds for one request (``fit_max_model_len`` in
@@ -37,15 +42,16 @@ from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.gc_heap import freeze_startup_heap, unfreeze_heap
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import Request, RequestStatus
+from fastdeploy.core.request import Request
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.overlap import OverlapStepMixin
-from fastdeploy.engine.pd_steps import PDStepMixin
+from fastdeploy.engine.pd_steps import PDSteps, engine_kv_layout
+from fastdeploy.engine.step_pipeline import StepPipeline
 
 if TYPE_CHECKING:
     from fastdeploy.config.plan import DeploymentPlan
+    from fastdeploy.splitwise.pd_role import PDRole
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +77,7 @@ def check_device_available(device: str) -> None:
     raise ValueError(f"device='cuda' is invalid on this machine: {why}; allowed: cpu or auto")
 
 
-class LLMEngine(PDStepMixin, OverlapStepMixin):
+class LLMEngine:
     """Loads the model and drives steps. Not thread-safe: one thread calls it.
 
     Args:
@@ -86,12 +92,21 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             ``describe()["deployment_plan"]``); ``graph_plan`` is its ``plan.graph``.
         max_model_len: the admission bound: the configured ``max_model_len``, or less when the
             KV pool holds fewer tokens for one request (``max_model_len_note`` then says so).
+        pipeline: launches and finishes steps (:class:`StepPipeline`).
+        pd_steps: the PD bookkeeping on a prefill or decode node (:class:`PDSteps`); None on a
+            ``mixed`` node.
+        last_step_idle: whether the last :meth:`step` launched and finished nothing.
 
     Raises:
         ValueError: a setting not supported yet, a bad plan, a device this machine lacks, a KV
             pool too small for any request, or ``FD_GC_FREEZE`` not a boolean (checked before
             the model loads).
     """
+
+    #: Set by start-up; None until then (and on a ``mixed`` node), so shutdown works on a
+    #: partly started engine.
+    pd_steps: PDSteps | None = None
+    kv_layout: dict | None = None
 
     def __init__(self, config: FDConfig, plan: DeploymentPlan) -> None:
         from fastdeploy.config.plan import DeploymentPlan
@@ -168,14 +183,37 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             self.config.scheduler_config, self.kv_cache_manager, self.max_model_len, self.host_tier
         )
         self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
-        self.kv_layout = self._kv_layout()
-        self.pd = None
-        self._remote_deadlines: dict[str, float] = {}
+        self.pipeline = StepPipeline(
+            self.worker, self.scheduler, self.host_tier, self.overlap_schedule
+        )
         self.last_step_idle = False
+        self.kv_layout = engine_kv_layout(
+            config,
+            self.source.path,
+            self.worker.kv_caches,
+            self.worker.num_kv_heads,
+            self.worker.head_dim,
+        )
         if config.parallel_config.splitwise_role != "mixed":
             from fastdeploy.splitwise.roles import make_role
 
-            self.pd = make_role(config, self.worker.kv_caches, self.kv_layout, cache.block_size)
+            role = make_role(config, self.worker.kv_caches, self.kv_layout, cache.block_size)
+            self.pd_steps = PDSteps(
+                role,
+                self.scheduler,
+                self.kv_cache_manager,
+                config.splitwise_config.pd_decode_wait_timeout,
+            )
+
+    @property
+    def pd(self) -> PDRole | None:
+        """This node's PD role; None on a ``mixed`` node."""
+        return self.pd_steps.role if self.pd_steps is not None else None
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """The plan's rule 10: step N+1 is scheduled while step N runs."""
+        return self.plan.overlap_schedule
 
     def _log_kv_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -256,10 +294,10 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             self.tokenizer is not None,
             self.max_model_len_note,
             self.config.parallel_config.splitwise_role,
-            getattr(self, "kv_layout", None),
+            self.kv_layout,
             self.config.cache_config.block_size,
             self.config.parallel_config.tensor_parallel_size,
-            getattr(getattr(self, "pd", None), "trust", None),
+            self.pd.trust if self.pd is not None else None,
         )
 
     def add_request(
@@ -285,7 +323,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             leg = self.check_request(prompt_token_ids, sampling_params, kv_transfer_params)
         except ValueError:
             if self.config.parallel_config.splitwise_role == "decode":
-                from fastdeploy.splitwise.roles import release_refused_leg
+                from fastdeploy.splitwise.legs import release_refused_leg
 
                 # no decode node will pull them now
                 release_refused_leg(kv_transfer_params, self.admission().pd_trust)
@@ -303,8 +341,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             request.remote_decode = True
         elif leg is not None:
             request.remote_prefill = leg
-            wait_s = self.config.splitwise_config.pd_decode_wait_timeout
-            self._remote_deadlines[request_id] = time.monotonic() + wait_s
+            self.pd_steps.expect_remote_kv(request_id)
         self.stop_checker.start(request)
         self.scheduler.add_request(request)
         return request
@@ -315,23 +352,14 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         A decode-leg request whose KV is being pulled keeps its blocks until the pull has
         stopped writing (then they are freed); the prefill node is told to free its copy.
         """
-        request = self.scheduler.get_request(request_id)
-        if request is None:
-            return False
-        remote = request.remote_prefill
-        pulling = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-        self.scheduler.abort_request(request_id)
-        self._remote_deadlines.pop(request_id, None)
-        if pulling:
-            self.pd.cancel(request_id)  # the loader sends ABORT once the pull stopped
-        elif remote is not None:
-            self.pd.abort_remote(remote)
-        return True
+        if self.pd_steps is not None:
+            return self.pd_steps.abort(request_id)
+        return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running, or a launched step's tokens are unread
         (overlap schedule: one more ``step()`` emits them)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self.pipeline.in_flight is not None
 
     def has_background_work(self) -> bool:
         """True while bookkeeping needs steps even without requests: host-tier copies queued or
@@ -339,19 +367,12 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         aborted pulls whose blocks wait."""
         if self.host_tier is not None and self.host_tier.has_work:
             return True
-        pd = self.pd
-        if pd is None:
-            return False
-        return bool(
-            getattr(pd, "has_pending", False)
-            or getattr(pd, "in_flight", 0)
-            or self.scheduler.num_cancelled_loads
-        )
+        return self.pd_steps is not None and self.pd_steps.has_background_work()
 
     def set_wakeup(self, wakeup) -> None:
         """Call ``wakeup()`` from another thread when background work ends (a pull finished),
         so a loop idling between steps steps again at once."""
-        if self.pd is not None and hasattr(self.pd, "set_wakeup"):
+        if self.pd is not None:
             self.pd.set_wakeup(wakeup)
 
     def check_integrity(self) -> None:
@@ -360,7 +381,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        held = list(self.pd.held_block_tables()) if hasattr(self.pd, "held_block_tables") else []
+        held = self.pd_steps.held_block_tables() if self.pd_steps is not None else []
         if self.host_tier is not None:
             held += self.host_tier.held_block_tables()
             self.host_tier.check_integrity()
@@ -370,12 +391,15 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
     def step(self) -> list[EngineOutput]:
         """Schedule and launch one step, and post-process the step that is due; returns its new
         tokens and text. Without the overlap schedule that is this step; with it, the previous
-        one (this one runs on while the host returns; see :mod:`fastdeploy.engine.overlap`).
+        one (this one runs on while the host returns; see :mod:`fastdeploy.engine.step_pipeline`).
 
         A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns.
         """
-        outputs = self._pd_step(time.monotonic()) if self.pd is not None else []
+        pd_steps = self.pd_steps
+        outputs = (
+            pd_steps.step(time.monotonic(), self._token_output) if pd_steps is not None else []
+        )
         if outputs:
             # First tokens whose KV just landed (or failures) go out now, before a forward
             # (TTFT), and a request never gets two outputs in one step.
@@ -386,10 +410,12 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
             for request in host.begin_step():
                 self.scheduler.swap_in_landed(request)
         sched = self.scheduler.schedule()
-        if self.pd is not None:
-            self._start_pulls()
+        if pd_steps is not None:
+            pd_steps.start_pulls()
         layer_events = host.issue_swap_ins() if host is not None else None
-        return outputs + self._run_step(sched, layer_events)
+        outputs = self.pipeline.run(sched, layer_events, self._token_output)
+        self.last_step_idle = self.pipeline.last_step_idle
+        return outputs
 
     def _token_output(
         self, request: Request, token_id: int, logprobs: list[dict] | None, now: float
@@ -402,7 +428,7 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
         if finished:
             request.finish_time = now
             if request.remote_decode:
-                kv_params = self._hold_for_decode(request, token_id, logprobs)
+                kv_params = self.pd_steps.hold_for_decode(request, token_id, logprobs)
             self.scheduler.finish_request(request, status)
         detok = request.detokenizer
         return EngineOutput(  # positional: once per request per step
@@ -459,10 +485,9 @@ class LLMEngine(PDStepMixin, OverlapStepMixin):
 
     def shutdown(self) -> None:
         """Release the model, KV cache and graphs (an engine can be created again afterwards)."""
-        pd = getattr(self, "pd", None)
-        if pd is not None:
-            pd.close()
-            self.pd = None
+        if self.pd_steps is not None:
+            self.pd_steps.close()
+            self.pd_steps = None
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()

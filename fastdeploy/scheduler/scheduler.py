@@ -62,10 +62,10 @@ from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import SchedulerConfig, check
 from fastdeploy.core.request import Request, RequestStatus, check_prompt_length
 from fastdeploy.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from fastdeploy.scheduler.integrity import IntegrityMixin
-from fastdeploy.scheduler.remote_kv import RemoteKVMixin
-from fastdeploy.scheduler.step_output import StepOutputMixin
-from fastdeploy.scheduler.swap_in import SwapInMixin
+from fastdeploy.scheduler import step_output
+from fastdeploy.scheduler.integrity import check_integrity
+from fastdeploy.scheduler.remote_kv import RemoteKVQueue
+from fastdeploy.scheduler.swap_in import SwapInQueue
 
 
 class InsufficientKVCacheError(RuntimeError):
@@ -81,7 +81,7 @@ class InsufficientKVCacheError(RuntimeError):
         self.request_id = request_id
 
 
-class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
+class Scheduler:
     """Continuous-batching scheduler over a :class:`KVCacheManager` (host only, no device).
 
     Args:
@@ -93,6 +93,10 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         host_tier: the host KV tier over ``kv_cache_manager``, or None.
         clock: seconds, the clock of ``Request.arrival_time`` (``time.monotonic``); the delay
             factor reads it.
+
+    Attributes:
+        remote_kv: the decode-leg requests whose prompt KV is pulled (PD decode node).
+        swap_in: the requests whose host-tier hits are copied in (``swap_in_mode=request``).
 
     Raises:
         ValueError: ``max_model_len < 1``; ``max_num_batched_tokens`` not a resolved integer
@@ -142,17 +146,8 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         self._unreported_preempted: list[Request] = []  # preempted by a call that raised
         #: Preemptions by recompute since start (a request preempted twice counts twice).
         self.num_preemptions = 0
-        # Decode node of a PD deployment: requests holding blocks while their KV is pulled,
-        # those admitted to that state since the last take_new_remote_loads(), and aborted ones
-        # whose blocks wait for the pull to end.
-        self.waiting_for_remote_kv: dict[str, Request] = {}
-        self._new_remote_loads: list[Request] = []
-        self._cancelled_loads: dict[str, Request] = {}
-        # Host KV tier: requests holding blocks while their host hits are copied back
-        # (swap_in_mode=request), and aborted ones whose blocks wait for that copy to land.
-        self.host_tier = host_tier
-        self.waiting_for_swap_in: dict[str, Request] = {}
-        self._cancelled_swap_ins: set[Request] = set()
+        self.remote_kv = RemoteKVQueue(kv_cache_manager)
+        self.swap_in = SwapInQueue(kv_cache_manager, host_tier)
 
     @property
     def num_running(self) -> int:
@@ -167,18 +162,31 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
     @property
     def num_waiting_for_remote_kv(self) -> int:
         """Decode-leg requests holding blocks while their KV is pulled."""
-        return len(self.waiting_for_remote_kv)
+        return len(self.remote_kv)
 
     @property
     def num_waiting_for_swap_in(self) -> int:
         """Requests holding blocks while their host-tier hits are copied back."""
-        return len(self.waiting_for_swap_in)
+        return len(self.swap_in)
+
+    @property
+    def num_cancelled_loads(self) -> int:
+        """Aborted decode-leg requests whose blocks wait for their pull to end."""
+        return self.remote_kv.num_cancelled
+
+    @property
+    def num_cancelled_swap_ins(self) -> int:
+        """Aborted requests whose blocks wait for their swap-in to land."""
+        return self.swap_in.num_cancelled
+
+    @property
+    def request_ids(self):
+        """The ids of the unfinished requests (a live view)."""
+        return self._requests.keys()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting, running, or waiting for its remote KV or swap-in."""
-        return bool(
-            self.waiting or self.running or self.waiting_for_remote_kv or self.waiting_for_swap_in
-        )
+        return bool(self.waiting or self.running or len(self.remote_kv) or len(self.swap_in))
 
     def get_request(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, or ``None``."""
@@ -196,7 +204,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already scheduled")
-        if rid in self._cancelled_loads:
+        if self.remote_kv.is_cancelled(rid):
             raise ValueError(
                 f"request id {rid!r} is invalid: an aborted request with this id still waits for "
                 "its KV pull to stop; allowed: a fresh id"
@@ -221,24 +229,16 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         if request is None:
             return False
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            # A pull may still write its blocks: park them until release_cancelled().
-            del self.waiting_for_remote_kv[request_id]
-            self._cancelled_loads[request_id] = request
-            del self._requests[request_id]
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.finish_time = time.monotonic()
-            self._finished_ids.append(request_id)
+            self.remote_kv.cancel(request)  # a pull may still write: parked until it ended
+        elif request.status == RequestStatus.WAITING_FOR_SWAP_IN:
+            self.swap_in.cancel(request)  # host hits still copied in: parked until they landed
+        else:
+            self._remove(request, RequestStatus.FINISHED_ABORTED)
             return True
-        if request.status == RequestStatus.WAITING_FOR_SWAP_IN:
-            # Host hits are still being copied into its blocks: park them until swap_in_landed().
-            del self.waiting_for_swap_in[request_id]
-            self._cancelled_swap_ins.add(request)
-            del self._requests[request_id]
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.finish_time = time.monotonic()
-            self._finished_ids.append(request_id)
-            return True
-        self._remove(request, RequestStatus.FINISHED_ABORTED)
+        del self._requests[request_id]
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finish_time = time.monotonic()
+        self._finished_ids.append(request_id)
         return True
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -254,6 +254,122 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         if self._requests.get(request.request_id) is not request:
             raise ValueError(f"request {request.request_id!r} is not waiting or running")
         self._remove(request, status)
+
+    # ------------------------------------------------------------ step outputs
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Apply a finished step: :meth:`advance`, then :meth:`resolve` at once (the step loop
+        without the overlap schedule).
+
+        Args:
+            output: what :meth:`schedule` returned for the step.
+            sampled_token_ids: request id -> token id, exactly for the scheduled requests whose
+                ``samples`` is true (requests aborted since may be present or not).
+
+        Returns the requests that got a new token, in scheduled order; the engine checks their stop
+        conditions and calls :meth:`finish_request`. Requests aborted since :meth:`schedule` are
+        skipped.
+
+        Raises:
+            ValueError: a sampling request has no token, a token is given for a request that does
+                not sample, or the output was already applied (nothing is changed then).
+        """
+        live = step_output.check_sampled(output, sampled_token_ids)
+        return self.resolve(self.advance(live), sampled_token_ids)
+
+    def advance(self, output: SchedulerOutput) -> list[Request]:
+        """Apply a step as it is launched, before its tokens are known: advance each request's
+        computed tokens (and its prompt-logprob rows), cache the full blocks of known tokens,
+        and count one output placeholder per request that samples (the overlap schedule then
+        schedules the next step from these counters while this one runs; :meth:`resolve`
+        replaces the placeholders).
+
+        Args:
+            output: what :meth:`schedule` returned for the step (every request running).
+
+        Returns:
+            The requests that sample in the step, in scheduled order (pass them to
+            :meth:`resolve`).
+
+        Raises:
+            ValueError: the step was already applied (nothing is changed then).
+        """
+        return step_output.advance(output, self.kv_cache_manager)
+
+    def resolve(self, samplers: list[Request], sampled_token_ids: dict[str, int]) -> list[Request]:
+        """A launched step's tokens arrived: each sampler's oldest placeholder becomes its token
+        (appended to ``output_token_ids``), and the blocks it completes are cached.
+
+        A request finished or aborted since :meth:`advance` is skipped: its token is dropped,
+        never appended or emitted. A request preempted since keeps its token (it was sampled
+        from its whole context) and re-prefills it with the rest.
+
+        Args:
+            samplers: what :meth:`advance` returned for the step.
+            sampled_token_ids: request id -> token id, for at least the samplers still here.
+
+        Returns:
+            The requests that got a token, in ``samplers`` order; the engine checks their stop
+            conditions.
+
+        Raises:
+            ValueError: a sampler still here has no token, or none pending (resolved twice).
+        """
+        return step_output.resolve(
+            samplers, sampled_token_ids, self._requests, self.kv_cache_manager
+        )
+
+    # ------------------------------------------------------------ remote KV and swap-in
+    def take_new_remote_loads(self) -> list[Request]:
+        """Requests that entered ``WAITING_FOR_REMOTE_KV`` since the last call (the engine
+        starts their pulls)."""
+        return self.remote_kv.take_new()
+
+    def remote_kv_loaded(self, request_id: str, first_token_id: int | None) -> Request | None:
+        """The prompt's KV landed: the prompt counts as computed (its full blocks are cached),
+        the prefill node's first token is appended, and the request runs from its next step.
+        With ``first_token_id=None`` the last prompt token counts as not computed, so the next
+        step recomputes it and samples the first token here. Returns the request, or None when
+        it is no longer waiting (aborted meanwhile)."""
+        request = self.remote_kv.loaded(request_id, first_token_id)
+        if request is not None:
+            self.running.append(request)
+        return request
+
+    def remote_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
+        """The pull failed. With ``recompute`` the request drops its blocks (none were cached)
+        and goes to the front of the waiting queue as a local request (it prefills here);
+        otherwise it stays out of every queue for the engine to finish. Returns the request, or
+        None when it is no longer waiting."""
+        request = self.remote_kv.failed(request_id, recompute)
+        if request is None:
+            return None
+        if recompute:
+            self.waiting.appendleft(request)
+        else:
+            self.running.append(request)  # so that finish_request() removes it as usual
+        return request
+
+    def release_cancelled(self, request_id: str) -> bool:
+        """The pull of an aborted request ended: free its parked blocks. False if unknown."""
+        return self.remote_kv.release_cancelled(request_id)
+
+    def swap_in_landed(self, request: Request) -> None:
+        """The host-tier copies into ``request``'s blocks landed. A request waiting for them
+        runs from its next step (the swapped-in blocks enter the device prefix cache); one
+        aborted meanwhile frees its parked blocks now; for any other (``layerwise``: already
+        running or finished) nothing changes."""
+        if self.swap_in.landed(request):
+            self.running.append(request)
+
+    def check_integrity(self, other_holders: list[list[int]] | None = None) -> None:
+        """:func:`~fastdeploy.scheduler.integrity.check_integrity` of this scheduler.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        check_integrity(self, other_holders)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV blocks.
@@ -350,14 +466,21 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             # Preempting the last running request itself is right when the blocks it lacks are
             # held outside the running batch (decode-leg requests waiting for their KV, a
             # prefill node's pending sends): it resumes once they are released.
-            self._preempt(victim)
+            self.preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free the blocks, reset counters, requeue at the front."""
+    def preempt(self, request: Request) -> None:
+        """Preempt a running request by recompute (the memory policy; :meth:`schedule` calls
+        this when a running request cannot get a block): free its blocks, reset its counters and
+        requeue it at the front of the waiting queue. A token still in flight is kept (see
+        :meth:`resolve`).
+
+        Raises:
+            ValueError: ``request`` is not running.
+        """
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
@@ -374,8 +497,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
         while (
             self.waiting
             and budget > 0
-            and len(self.running) + len(self.waiting_for_remote_kv) + len(self.waiting_for_swap_in)
-            < self.max_num_seqs
+            and len(self.running) + len(self.remote_kv) + len(self.swap_in) < self.max_num_seqs
         ):
             request = self.waiting[0]
             if request.num_output_placeholders:
@@ -387,11 +509,9 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
                     break
                 self.waiting.popleft()
                 _note_first_admission(request)
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.waiting_for_remote_kv[request.request_id] = request
-                self._new_remote_loads.append(request)
+                self.remote_kv.admit(request)
                 continue
-            host_hits = self.host_tier.lookup(request) if self.host_tier is not None else []
+            host_hits = self.swap_in.lookup(request)
             host_tokens = len(host_hits) * kv.block_size
             num_new = request.num_tokens - request.num_computed_tokens - host_tokens
             if num_new > budget:
@@ -405,7 +525,7 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
                 self._undo_admission(request)
                 break
             self.waiting.popleft()
-            waits = bool(host_hits) and self._start_swap_in(request, host_hits)
+            waits = bool(host_hits) and self.swap_in.start(request, host_hits)
             _note_first_admission(request)
             if waits:
                 continue  # waits in WAITING_FOR_SWAP_IN, spending no budget
@@ -414,22 +534,6 @@ class Scheduler(StepOutputMixin, RemoteKVMixin, SwapInMixin, IntegrityMixin):
             admitted.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return admitted
-
-    def _start_swap_in(self, request: Request, host_hits: list[int]) -> bool:
-        """Swap the host hits into the blocks that follow the device hits; they count as
-        computed (and cached) tokens. Returns True when the request must wait for the copy
-        (``swap_in_mode=request``), False when it runs in this step (``layerwise``)."""
-        first = request.num_computed_tokens // self.kv_cache_manager.block_size
-        device = request.block_ids[first : first + len(host_hits)]
-        self.host_tier.start_swap_in(request, host_hits, device)
-        host_tokens = len(host_hits) * self.kv_cache_manager.block_size
-        request.num_computed_tokens += host_tokens
-        request.num_cached_tokens += host_tokens
-        if self.host_tier.layerwise:
-            return False
-        request.status = RequestStatus.WAITING_FOR_SWAP_IN
-        self.waiting_for_swap_in[request.request_id] = request
-        return True
 
     def _undo_admission(self, request: Request) -> None:
         """Give back the prefix-cache hits taken by a lookup for a request that stays waiting."""

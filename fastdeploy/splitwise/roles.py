@@ -9,6 +9,7 @@ thread (``docs/pd-disaggregation.md``, shared docs).
   finished pulls, and heartbeats the prefill nodes of requests still waiting for blocks so their
   leases do not run out.
 
+Both implement :class:`~fastdeploy.splitwise.pd_role.PDRole`, the engine's one view of them.
 The transport (``tcp`` or ``nixl``) is registered once with the KV caches; the engine never sees
 its types. With a PD secret (``--pd-secret-file`` or ``FD_PD_SECRET``) both roles sign what they
 send and refuse what is not signed (:mod:`~fastdeploy.splitwise.pd_auth`); without one they warn
@@ -24,196 +25,29 @@ from collections.abc import Callable
 from typing import Any
 
 from fastdeploy.config import FDConfig
-from fastdeploy.splitwise.pd_auth import PDAuth, PrefillTrust, is_loopback, set_process_auth
-from fastdeploy.splitwise.prefill_control import PrefillControl
-from fastdeploy.splitwise.protocol import RemotePrefill, is_prefill_leg, prompt_fingerprint
-from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
-from fastdeploy.splitwise.side_channel import (
-    PROCESS_AUTH,
-    SideChannelError,
-    SideChannelServer,
-    send_control,
+from fastdeploy.splitwise.legs import (  # noqa: F401 - re-exported: the admission checks' old home
+    check_decode_leg,
+    check_first_token_logprobs,
+    check_kv_transfer_params,
+    release_refused_leg,
+    send_abort,
 )
+from fastdeploy.splitwise.pd_auth import PDAuth, PrefillTrust, is_loopback, set_process_auth
+from fastdeploy.splitwise.pd_role import PDRole
+from fastdeploy.splitwise.prefill_control import PrefillControl
+from fastdeploy.splitwise.protocol import RemotePrefill
+from fastdeploy.splitwise.remote_kv_loader import PullJob, PullResult, RemoteKVLoader
+from fastdeploy.splitwise.side_channel import SideChannelError, SideChannelServer, send_control
 from fastdeploy.splitwise.transport_select import make_transport
 
 logger = logging.getLogger(__name__)
 
 
-def check_first_token_logprobs(entries, token_id: int) -> None:
-    """A decode leg's ``first_token_logprobs``: None, or one ``{"token_id", "logprob",
-    "top_logprobs": [[id, logprob], ...]}`` entry for ``token_id``.
-
-    Raises:
-        ValueError: any other shape, naming the field.
-    """
-    if entries is None:
-        return
-    ok = isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], dict)
-    if ok:
-        e = entries[0]
-        top = e.get("top_logprobs")
-        ok = (
-            e.get("token_id") == token_id
-            and isinstance(e.get("logprob"), (int, float))
-            and isinstance(top, list)
-            and all(
-                isinstance(t, (list, tuple))
-                and len(t) == 2
-                and isinstance(t[0], int)
-                and isinstance(t[1], (int, float))
-                for t in top
-            )
-        )
-    if not ok:
-        raise ValueError(
-            "kv_transfer_params.first_token_logprobs is invalid; allowed: null or the prefill "
-            "node's one entry for first_token_id"
-        )
-
-
-def check_decode_leg(
-    leg: Any, prompt_token_ids: list[int], vocab_size: int, block_size: int
-) -> None:
-    """A decode leg's :class:`RemotePrefill` against the request it arrived with: the same
-    prompt (length, then fingerprint: a reference of the right length to another prompt's KV
-    would be pulled and cached under this prompt's block hashes), a first token inside the
-    vocabulary with well-formed logprobs, and one remote block per ``block_size`` prompt tokens.
-
-    Raises:
-        ValueError: the first field that does not fit, named with what is allowed.
-    """
-    n = len(prompt_token_ids)
-    if leg.num_prompt_tokens != n:
-        raise ValueError(
-            f"kv_transfer_params.num_prompt_tokens={leg.num_prompt_tokens} is invalid; "
-            f"allowed: this request's {n} prompt tokens (same prompt on both legs)"
-        )
-    own = prompt_fingerprint(prompt_token_ids)
-    if leg.prompt_hash != own:
-        raise ValueError(
-            f"kv_transfer_params.prompt_hash={leg.prompt_hash!r} is invalid: the KV reference "
-            f"belongs to another prompt; allowed: this request's prompt fingerprint {own!r} "
-            "(send the decode leg the same prompt token ids as the prefill leg)"
-        )
-    if not 0 <= leg.first_token_id < vocab_size:
-        raise ValueError(
-            f"kv_transfer_params.first_token_id={leg.first_token_id} is invalid; "
-            f"allowed: a token id in [0, {vocab_size})"
-        )
-    check_first_token_logprobs(leg.first_token_logprobs, leg.first_token_id)
-    if len(leg.remote_block_ids) != -(-n // block_size):
-        raise ValueError(
-            f"kv_transfer_params.remote_block_ids has {len(leg.remote_block_ids)} "
-            f"blocks; allowed: the {n} prompt tokens' blocks"
-        )
-
-
-def send_abort(
-    host: str,
-    port: int,
-    remote_request_id: str,
-    unclaimed_only: bool = False,
-    auth: PDAuth | None | object = PROCESS_AUTH,
-) -> None:
-    """Tell a prefill node, from a short-lived thread, that the blocks it holds for
-    ``remote_request_id`` are not needed (ABORT on its side channel, signed with ``auth``: by
-    default the process's :func:`~fastdeploy.splitwise.pd_auth.process_auth`; with
-    ``unclaimed_only`` only if no decode node has claimed them); a failure is logged, since the
-    node frees them at lease expiry anyway."""
-    extra = {"unclaimed_only": True} if unclaimed_only else {}
-
-    def send() -> None:
-        try:
-            send_control(host, port, "ABORT", [remote_request_id], auth=auth, **extra)
-        except SideChannelError as e:
-            logger.warning("ABORT of %s failed: %s", remote_request_id, e)
-
-    threading.Thread(target=send, name="pd-abort", daemon=True).start()
-
-
-def release_refused_leg(params: Any, trust: PrefillTrust | None) -> bool:
-    """A decode node refused a decode leg before admitting it (any 4xx or 503 of the request):
-    free the prefill node's blocks for it now rather than at lease expiry, since no decode node
-    will pull them (routers do not retry a decode leg).
-
-    Only a prefill node this decode node trusts is told (``trust``:
-    :class:`~fastdeploy.splitwise.pd_auth.PrefillTrust`, the admission's; None: the default,
-    loopback only): otherwise a client could make the node connect to any address it names,
-    which admission refuses for the pull too. Past that check only the three fields that
-    address the ABORT are read (``remote_host``, ``remote_port``, ``remote_request_id``), so a
-    leg refused for any other field still releases. The ABORT is ``unclaimed_only``: a copy of
-    these params admitted elsewhere, whose pull claimed the blocks and may be reading them,
-    keeps them. One for an entry already gone is a no-op.
-
-    Returns whether an ABORT was started (False: ``params`` name no prefill node, or one this
-    node does not trust).
-    """
-    if not isinstance(params, dict):
-        return False
-    host = params.get("remote_host")
-    port = params.get("remote_port")
-    rid = params.get("remote_request_id")
-    addressed = (
-        isinstance(host, str)
-        and host != ""
-        and type(port) is int
-        and 0 < port < 65536
-        and isinstance(rid, str)
-        and rid != ""
-    )
-    if not addressed:
-        return False
-    trust = trust or PrefillTrust()
-    try:
-        trust.check(params)
-    except ValueError as e:
-        logger.warning("decode leg refused; no ABORT to %s:%s: %s", host, port, e)
-        return False
-    logger.info("decode leg refused: ABORT of %s to the prefill node %s:%d", rid, host, port)
-    # Signed with the secret the trust holds: the server process of a decode node (the engine
-    # in a process of its own) has no process-wide PD auth.
-    auth = PDAuth(trust.key) if trust.key is not None else PROCESS_AUTH
-    send_abort(host, port, rid, unclaimed_only=True, auth=auth)
-    return True
-
-
-def check_kv_transfer_params(role: str, params: Any, layout: dict[str, Any]) -> Any:
-    """Admission check of a request's ``kv_transfer_params`` on a node of ``role``.
-
-    Returns None (a plain request), ``True`` for a prefill leg, or the decode leg's
-    :class:`RemotePrefill`.
-
-    Raises:
-        ValueError: params that are not an object; a prefill leg sent to a node that is not a
-            prefill node; a decode leg sent to a node that is not a decode node, or whose fields
-            or layout fingerprint are wrong (the message names them).
-    """
-    if params is None or params == {}:
-        return None
-    if not isinstance(params, dict):
-        raise ValueError(f"kv_transfer_params={params!r} is invalid; allowed: an object or null")
-    if is_prefill_leg(params):
-        if role != "prefill":
-            raise ValueError(
-                f"kv_transfer_params.do_remote_decode=true is invalid on a {role} node; allowed: "
-                "only on a node started with --splitwise-role prefill"
-            )
-        return True
-    if "remote_block_ids" in params or "remote_engine_id" in params:
-        if role != "decode":
-            raise ValueError(
-                f"kv_transfer_params from a prefill node are invalid on a {role} node; allowed: "
-                "only on a node started with --splitwise-role decode"
-            )
-        return RemotePrefill.from_params(params, layout)
-    raise ValueError(
-        f"kv_transfer_params={params!r} is invalid; allowed: null, "
-        '{"do_remote_decode": true} (prefill leg) or a prefill node\'s answer (decode leg)'
-    )
-
-
 class _Role:
     """What both roles share: the transport, the side channel and counters."""
+
+    #: Which prefill nodes decode legs may name (a decode node's; checked at admission).
+    trust: PrefillTrust | None = None
 
     def __init__(
         self,
@@ -225,6 +59,7 @@ class _Role:
         sw = config.splitwise_config
         self.config = sw
         self.layout = layout
+        self.failure_policy = sw.kv_load_failure_policy
         self.engine_id = f"{config.parallel_config.splitwise_role}-{uuid.uuid4().hex[:12]}"
         self.auth = PDAuth.from_secret_file(sw.pd_secret_file)
         set_process_auth(self.auth)  # every send_control of this process signs with it
@@ -345,6 +180,34 @@ class PrefillRole(_Role):
         """Blocks held for decode nodes, or released and not yet freed."""
         return self.control.has_work
 
+    # A prefill node pulls nothing: the decode side of PDRole answers "nothing".
+    @property
+    def in_flight(self) -> int:
+        """0: a prefill node pulls nothing."""
+        return 0
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Nothing to wake for: what decode nodes release is freed by stepping (``has_pending``)."""
+
+    def poll(self) -> list[PullResult]:
+        """[]: a prefill node pulls nothing."""
+        return []
+
+    def set_waiting(self, remotes: list[RemotePrefill]) -> None:
+        """Nothing to heartbeat: a prefill node has no decode legs."""
+
+    def start(self, request_id: str, remote: RemotePrefill, block_ids: list[int], num_cached: int):
+        """Raises RuntimeError: a prefill node has no decode legs (admission refuses them)."""
+        raise _not_on("prefill", "start a pull")
+
+    def cancel(self, request_id: str) -> None:
+        """Raises RuntimeError: a prefill node has no decode legs."""
+        raise _not_on("prefill", "cancel a pull")
+
+    def abort_remote(self, remote: RemotePrefill) -> None:
+        """Raises RuntimeError: a prefill node has no decode legs."""
+        raise _not_on("prefill", "abort a remote prefill")
+
     def stats(self) -> dict[str, Any]:
         return {
             "pending_sends": self.control.num_pending,
@@ -369,12 +232,10 @@ class DecodeRole(_Role):
     ) -> None:
         super().__init__(config, kv_caches, layout, self._handle)
         self.block_size = block_size
-        #: Which prefill nodes decode legs may name (checked at admission).
         self.trust = PrefillTrust(
             self.config.allowed_prefill_peers, self.auth.key if self.auth is not None else None
         )
         self.loader = RemoteKVLoader(self.transport, control_timeout_s=5.0, auth=self.auth)
-        self.failure_policy = self.config.kv_load_failure_policy
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0}
         self.failures: dict[str, int] = {}
         self._waiting: list[RemotePrefill] = []
@@ -384,6 +245,32 @@ class DecodeRole(_Role):
             target=self._heartbeats, name="pd-heartbeat", daemon=True
         )
         self._heartbeat.start()
+
+    # A decode node holds nothing for others: the prefill side of PDRole answers "nothing".
+    @property
+    def has_pending(self) -> bool:
+        """False: a decode node holds no blocks for other nodes."""
+        return False
+
+    def held_block_tables(self) -> list[list[int]]:
+        """[]: a decode node holds no blocks for other nodes."""
+        return []
+
+    def take_freed(self) -> list[tuple[str, list[int], str]]:
+        """[]: a decode node holds no blocks for other nodes."""
+        return []
+
+    def hold(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_prompt_tokens: int,
+        first_token_id: int,
+        first_token_logprobs: list[dict] | None = None,
+        prompt_hash: str | None = None,
+    ) -> dict[str, Any]:
+        """Raises RuntimeError: a decode node has no prefill legs (admission refuses them)."""
+        raise _not_on("decode", "hold blocks for a decode node")
 
     @staticmethod
     def _handle(op: str, message: dict) -> dict:
@@ -464,9 +351,13 @@ class DecodeRole(_Role):
         super().close()
 
 
+def _not_on(role: str, what: str) -> RuntimeError:
+    return RuntimeError(f"a {role} node cannot {what}: its admission refuses such a request leg")
+
+
 def make_role(
     config: FDConfig, kv_caches: list, layout: dict[str, Any], block_size: int
-) -> PrefillRole | DecodeRole | None:
+) -> PDRole | None:
     """The role object of ``config.parallel_config.splitwise_role`` (None for ``mixed``).
 
     Raises:

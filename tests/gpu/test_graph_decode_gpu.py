@@ -147,7 +147,7 @@ def test_decode_graph_replans_only_when_pages_change(shape):
     calls = []
     real_plan = meta.wrapper.plan
     meta.wrapper.plan = lambda *a, **kw: (calls.append(1), real_plan(*a, **kw))[1]
-    planner = backend._graph_planner
+    planner = backend.graph_decode.planner
 
     def plans() -> int:  # through plan(), or without it (GraphDecodePlanner)
         return len(calls) + (planner.direct_plans if planner is not None else 0)
@@ -203,9 +203,9 @@ def test_direct_graph_decode_plan_equals_flashinfers_plan(shape, monkeypatch):
     monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", "0")
     planned = make_backend(shape)
     if direct.use_tensor_cores:  # the tensor-core decode path always plans through plan()
-        assert direct._graph_planner is None
+        assert direct.graph_decode.planner is None
         return
-    assert direct._graph_planner is not None and planned._graph_planner is None
+    assert direct.graph_decode.planner is not None and planned.graph_decode.planner is None
     cache = new_cache(direct)
     pool = block_pool(6)
     slot_buf = torch.full((bucket,), -1, dtype=torch.int64, device=DEVICE)
@@ -270,4 +270,4 @@ def test_direct_graph_decode_plan_equals_flashinfers_plan(shape, monkeypatch):
         assert torch.equal(outs[0], outs[1]), f"step {i}: {max_diff(outs[0], outs[1])}"
         assert max_diff(outs[0], reference_attention(step, cache, shape)) < TOL
         assert_cache_clean(cache)
-    assert direct._graph_planner.direct_plans == len(lengths)
+    assert direct.graph_decode.planner.direct_plans == len(lengths)

@@ -20,6 +20,7 @@ from fastdeploy.model_executor.layers.attention.backend import AttentionBackend,
 from fastdeploy.model_executor.layers.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
 )
+from fastdeploy.model_executor.layers.attention.flashinfer_graph_decode import GraphDecode
 from fastdeploy.model_executor.layers.attention.flashinfer_plan import PrefillPlanner
 from fastdeploy.model_executor.layers.attention.flashinfer_staging import PlanStaging
 
@@ -96,8 +97,17 @@ def backend(monkeypatch):
     b._plan_events = {}
     b._staging = PlanStaging(b.max_num_reqs, b.max_num_blocks, CPU)
     b._prefill_planner = None
-    b._init_graph_decode()
+    b.graph_decode = graph_decode_of(b)
     return b
+
+
+def graph_decode_of(b: FlashInferAttentionBackend) -> GraphDecode:
+    """The decode-graph part over the fixture's stand-ins (as the backend's ``__init__`` builds
+    it)."""
+    return GraphDecode(
+        b._flashinfer, b.workspace, b._int_workspace, b.use_tensor_cores, b.max_num_reqs,
+        b.max_num_blocks, b.block_size, CPU, b._staging,
+    )  # fmt: skip
 
 
 def batch(query_lens, seq_lens, slot_mapping=None):
@@ -153,8 +163,8 @@ def test_graph_decode_plans_through_plan_bind(backend, monkeypatch, direct):
     """Through GraphDecodePlanner (refusing an unknown version) and, with
     ``FD_FLASHINFER_DIRECT_PLAN=0``, without it."""
     monkeypatch.setenv("FD_FLASHINFER_DIRECT_PLAN", direct)
-    backend._init_graph_decode()
-    assert (backend._graph_planner is None) == (direct == "0")
+    backend.graph_decode = graph_decode_of(backend)
+    assert (backend.graph_decode.planner is None) == (direct == "0")
     md = backend.make_graph_decode_metadata(4)
     slots = torch.zeros(4, dtype=torch.int64)
     for seq_lens in ([17, 3], [33, 3], [40, 3, 2]):  # new pages each step: no kept plan

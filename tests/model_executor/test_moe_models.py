@@ -272,8 +272,8 @@ def test_gguf_names_of_the_gguf_package_load_into_our_models(arch, model_name, t
         for name in candidates:
             gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, f"{arch} has no GGUF name for {name}"
-            ours = model._locate(gguf_to_hf_name(gguf_name))
-            wanted = model._locate(hf_name if name.endswith(".bias") else name)
+            ours = model.locate_weight(gguf_to_hf_name(gguf_name))
+            wanted = model.locate_weight(hf_name if name.endswith(".bias") else name)
             assert ours == wanted, (hf_name, gguf_name)
         checked.add(hf_name)
     assert checked == set(model.hf_weight_names())

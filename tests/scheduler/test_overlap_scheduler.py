@@ -98,7 +98,7 @@ def test_an_aborted_request_drops_its_token_and_a_preempted_one_keeps_it():
     sched.add_request(b)
     samplers = sched.advance(sched.schedule())
     sched.abort_request("a")
-    sched._preempt(b)  # as a later schedule() would, with b's token still in flight
+    sched.preempt(b)  # as a later schedule() would, with b's token still in flight
     assert sched.schedule().is_empty  # b waits: its token is not known yet
     assert sched.resolve(samplers, {"a": 1, "b": 2}) == [b]
     assert a.output_token_ids == [] and b.output_token_ids == [2]

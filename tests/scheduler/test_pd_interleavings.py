@@ -80,7 +80,7 @@ class Node:
 
     def abort(self, pick: int) -> None:
         ids = sorted(r.request_id for r in self.sched.running + list(self.sched.waiting))
-        ids += sorted(self.sched.waiting_for_remote_kv)
+        ids += sorted(self.sched.remote_kv.waiting)
         if ids:
             self.sched.abort_request(ids[pick % len(ids)])
 
@@ -120,7 +120,7 @@ def test_no_interleaving_leaks_a_block(ops, num_blocks):
         node.pull_ends(0, 0)
     for rid in [r.request_id for r in node.sched.running + list(node.sched.waiting)]:
         node.sched.abort_request(rid)
-    for rid in list(node.sched.waiting_for_remote_kv):
+    for rid in list(node.sched.remote_kv.waiting):
         node.sched.abort_request(rid)
         node.sched.release_cancelled(rid)
     while node.pending:
@@ -150,7 +150,7 @@ def test_lone_running_request_waits_for_blocks_held_by_pulls():
         if preempted:
             break
     assert preempted == ["r1"] and local.status == RequestStatus.WAITING
-    assert "r2" in node.sched.waiting_for_remote_kv
+    assert "r2" in node.sched.remote_kv.waiting
     node.sched.remote_kv_loaded("r2", 5)  # the pull ends; r2 runs, r1 waits for room
     node.step()
     node.check()

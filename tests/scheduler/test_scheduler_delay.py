@@ -130,7 +130,7 @@ def test_a_preempted_request_is_not_held():
     clock.now += 64.0
     c = add(sched, clock, "c")
     step(sched, clock, 0.25)
-    sched._preempt(b)  # as _allocate_or_preempt would on a full pool
+    sched.preempt(b)  # as schedule() would on a full pool
     assert list(sched.waiting) == [b, c]
     # c has waited 0.25 s of more than 0.5, but b (arrived 64 s ago) heads the queue: both go.
     assert [rid for rid, _ in step(sched, clock, 0.25)] == ["a", "b", "c"]
@@ -145,7 +145,8 @@ def test_a_pd_decode_nodes_request_is_not_held():
     step(sched, clock, 0.5)
     b = add(sched, clock, "b")
     b.remote_prefill = {"remote_host": "127.0.0.1"}
-    assert not sched._hold_waiting()
+    sched.schedule()  # not held: admitted at once to wait for its KV
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True, "1"])

@@ -49,7 +49,6 @@ from fastdeploy.core.messages import (
     EngineDead,
     EngineMessage,
     EngineStats,
-    PrefillTrustCheck,
     RequestFailed,
     StepOutputs,
     StopLoop,
@@ -114,9 +113,8 @@ class EngineCore(Protocol):
     def splitwise_role(self) -> str:
         """``mixed``, ``prefill`` or ``decode``."""
 
-    @property
-    def pd_trust(self) -> PrefillTrustCheck | None:
-        """A decode node's trusted prefill nodes; None elsewhere."""
+    def release_refused_leg(self, params: object) -> bool:
+        """Free a refused decode leg's prefill blocks; whether an ABORT was started."""
 
     def check_request(
         self,
@@ -242,12 +240,11 @@ class AsyncLLMEngine:
         that does not say)."""
         return self._core.splitwise_role
 
-    @property
-    def pd_trust(self) -> PrefillTrustCheck | None:
-        """On a decode node, the :class:`~fastdeploy.splitwise.pd_auth.PrefillTrust` its
-        admission checks decode legs with (None elsewhere, or for an engine that does not
-        say)."""
-        return self._core.pd_trust
+    def release_refused_leg(self, params: object) -> bool:
+        """A decode leg was refused before admission: free its prefill node's blocks now
+        (``fastdeploy.splitwise.legs.release_refused_leg``, with the trusted prefill nodes of
+        this node's admission). Returns whether an ABORT was started."""
+        return self._core.release_refused_leg(params)
 
     def describe(self) -> dict:
         """The engine's resolved ``config`` and ``deployment_plan`` as dicts (for

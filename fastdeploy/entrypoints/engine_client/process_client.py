@@ -39,7 +39,6 @@ from fastdeploy.core.messages import (
     EngineDead,
     EngineReady,
     EngineStartFailed,
-    PrefillTrustCheck,
     StopLoop,
 )
 from fastdeploy.core.sampling_params import SamplingParams
@@ -169,10 +168,11 @@ class EngineCoreClient:
         """The engine's PD role: ``mixed``, ``prefill`` or ``decode``."""
         return self.admission.splitwise_role
 
-    @property
-    def pd_trust(self) -> PrefillTrustCheck | None:
-        """On a decode node, the prefill nodes its admission trusts; None elsewhere."""
-        return self.admission.pd_trust
+    def release_refused_leg(self, params: object) -> bool:
+        """A decode leg was refused before admission: free its prefill node's blocks now
+        (``fastdeploy.splitwise.legs.release_refused_leg``, with the trusted prefill nodes of
+        this node's admission). Returns whether an ABORT was started."""
+        return self.admission.release_refused_leg(params)
 
     def describe(self) -> dict:
         """``{"config": ..., "deployment_plan": ...}`` as the engine process runs them."""

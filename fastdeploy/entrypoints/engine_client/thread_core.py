@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastdeploy.core.messages import Command, Emit, EngineMessage, PrefillTrustCheck
+from fastdeploy.core.messages import AdmissionCheck, Command, Emit, EngineMessage
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.engine_loop import EngineLoop, SteppableEngine
 
@@ -25,8 +25,7 @@ class LocalEngine(SteppableEngine, Protocol):
     """An engine that runs in this process (``LLMEngine``, or a test's stand-in): what
     :class:`~fastdeploy.engine.engine_loop.EngineLoop` drives, and what the server reads of
     it. Optional, read with ``getattr``: ``max_model_len_note``, ``config``, ``plan``
-    (each with ``to_dict()``) and ``pd`` (the PD role, whose ``trust`` is the decode node's
-    ``PrefillTrust``)."""
+    (each with ``to_dict()``)."""
 
     tokenizer: PreTrainedTokenizerBase | None
     max_model_len: int
@@ -39,6 +38,9 @@ class LocalEngine(SteppableEngine, Protocol):
         kv_transfer_params: dict | None = None,
     ) -> Any:
         """The admission check (``ValueError`` naming what is wrong)."""
+
+    def admission(self) -> AdmissionCheck:
+        """What requests are checked against (a decode node's trusted prefill nodes among it)."""
 
     def shutdown(self) -> None:
         """Release the model and the KV cache."""
@@ -87,10 +89,11 @@ class ThreadCore:
         config = getattr(self.engine, "config", None)
         return config.parallel_config.splitwise_role if config is not None else "mixed"
 
-    @property
-    def pd_trust(self) -> PrefillTrustCheck | None:
-        """The engine's PD role's ``trust`` (a decode node's ``PrefillTrust``), or None."""
-        return getattr(getattr(self.engine, "pd", None), "trust", None)
+    def release_refused_leg(self, params: object) -> bool:
+        """A decode leg was refused before admission: free its prefill node's blocks now
+        (``fastdeploy.splitwise.legs.release_refused_leg``, with the trusted prefill nodes of
+        this node's admission). Returns whether an ABORT was started."""
+        return self.engine.admission().release_refused_leg(params)
 
     def describe(self) -> dict:
         """``{"config": ..., "deployment_plan": ...}`` as dicts (empty for a stand-in without

@@ -16,9 +16,9 @@ unknown model or route, 429 with ``Retry-After`` when ``--max-concurrency`` requ
 handlers below; refusals made before the app runs are counted where they are made: the request
 limits' (:mod:`~fastdeploy.entrypoints.openai.limits`: 431, 413, 408) and a missing or wrong
 ``--api-key``'s (:mod:`~fastdeploy.entrypoints.openai.auth`: 401).
-On a PD decode node a refused decode leg also releases the prefill node's blocks there
-(:func:`~fastdeploy.splitwise.roles.release_refused_leg`), if the leg names a prefill node this
-node trusts.
+On a PD decode node a refused decode leg also releases the prefill node's blocks there, if the
+leg names a prefill node this node trusts
+(:meth:`~fastdeploy.engine.admission.Admission.release_refused_leg`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.server_args import DEFAULT_SERVED_MODEL_NAME
-from fastdeploy.splitwise.roles import release_refused_leg
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -108,7 +107,7 @@ def build_app(
             engine.metrics.observe_rejected(error.reason)
             if isinstance(body, dict) and engine.splitwise_role == "decode":
                 # A refused decode leg: nobody will pull the prefill node's blocks for it.
-                release_refused_leg(body.get("kv_transfer_params"), engine.pd_trust)
+                engine.release_refused_leg(body.get("kv_transfer_params"))
         return error.response()
 
     async def refusing(create: Callable[[], Awaitable[Response]], req: Any) -> Response:

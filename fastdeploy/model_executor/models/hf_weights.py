@@ -1,15 +1,19 @@
 """Hugging Face weight names of the dense decoders: where each checkpoint tensor goes.
 
-:class:`HFWeightsMixin` gives :class:`~fastdeploy.model_executor.models.llama.DecoderForCausalLM`
-(and so every architecture built on it) ``load_weights``, ``hf_weight_names`` and
-``hf_state_dict`` over the tables below: q/k/v and gate/up checkpoint tensors go into the merged
-projections (as shards of one parameter), everything else one to one.
+Functions over a model (no mixin):
+:class:`~fastdeploy.model_executor.models.llama.DecoderForCausalLM` (and so every architecture
+built on it) answers ``locate_weight``, ``hf_weight_names``, ``load_weights`` and
+``hf_state_dict`` with them, over the tables below: q/k/v and gate/up checkpoint tensors go into
+the merged projections (as shards of one parameter), everything else one to one. An architecture
+with more names (the MoE decoders) overrides ``locate_weight`` and ``hf_weight_names``;
+:func:`load_hf_weights` and :func:`export_hf_weights` go through the model's own.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,85 +39,106 @@ TOP_WEIGHTS = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_h
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-class HFWeightsMixin:
-    """Checkpoint I/O under Hugging Face names for a decoder with ``embed_tokens``, ``layers``,
-    ``norm`` and ``lm_head`` laid out as :data:`LAYER_WEIGHTS` / :data:`TOP_WEIGHTS` say."""
+class HFNamedModel(Protocol):
+    """What :func:`load_hf_weights` and :func:`export_hf_weights` ask of a model."""
 
-    def _locate(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
-        prefix, _, param_name = hf_name.rpartition(".")
-        module, shard = None, None
-        if prefix in TOP_WEIGHTS:
-            module = getattr(self, TOP_WEIGHTS[prefix])
-        elif (m := _LAYER_NAME.fullmatch(prefix)) and m.group(2) in LAYER_WEIGHTS:
-            idx = int(m.group(1))
-            if idx < len(self.layers):
-                path, shard = LAYER_WEIGHTS[m.group(2)]
-                module = get_submodule(self.layers[idx], path)
-        if module is None or getattr(module, param_name, None) is None:
-            raise ValueError(f"unexpected checkpoint weight {hf_name!r} for {type(self).__name__}")
-        return module, param_name, shard
+    lm_head: nn.Module  # ``tied``: whether the head shares the embedding's weight
 
-    def hf_weight_names(self) -> list[str]:
-        """The Hugging Face names a checkpoint of this model must provide (tied head excluded)."""
-        names = []
-        for hf_prefix, path in TOP_WEIGHTS.items():
-            if path == "lm_head" and self.lm_head.tied:
-                continue
-            names += param_names(hf_prefix, getattr(self, path))
-        for i, layer in enumerate(self.layers):
-            for hf_path, (path, _) in LAYER_WEIGHTS.items():
-                module = get_submodule(layer, path)
-                if module is not None:
-                    names += param_names(f"model.layers.{i}.{hf_path}", module)
-        return names
+    def locate_weight(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]: ...
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        """Copy checkpoint tensors given under Hugging Face names into the model.
+    def hf_weight_names(self) -> list[str]: ...
 
-        q/k/v and gate/up go into their merged projections; rotary ``inv_freq`` buffers are
-        ignored; ``lm_head.weight`` is ignored when the head is tied to the embedding.
 
-        Returns:
-            the Hugging Face names that were loaded.
+def locate_dense_weight(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
+    """Where the checkpoint tensor ``hf_name`` goes in a dense decoder with ``embed_tokens``,
+    ``layers``, ``norm`` and ``lm_head`` laid out as :data:`LAYER_WEIGHTS` /
+    :data:`TOP_WEIGHTS` say: ``(module, parameter name, shard)`` (shard None: the whole
+    parameter).
 
-        Raises:
-            ValueError: an unknown name, a shape mismatch, or (``strict``) a missing weight.
-        """
-        loaded = set()
-        for hf_name, tensor in weights:
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue
-            if hf_name == "lm_head.weight" and self.lm_head.tied:
-                continue
-            module, param_name, shard = self._locate(hf_name)
-            if hasattr(module, "load_weight"):
-                module.load_weight(param_name, tensor, shard)
-            else:
-                copy_weight(getattr(module, param_name), tensor, hf_name)
-            loaded.add(hf_name)
-        missing = [n for n in self.hf_weight_names() if n not in loaded]
-        if strict and missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
-        return loaded
+    Raises:
+        ValueError: a name the model has no parameter for.
+    """
+    prefix, _, param_name = hf_name.rpartition(".")
+    module, shard = None, None
+    if prefix in TOP_WEIGHTS:
+        module = getattr(model, TOP_WEIGHTS[prefix])
+    elif (m := _LAYER_NAME.fullmatch(prefix)) and m.group(2) in LAYER_WEIGHTS:
+        idx = int(m.group(1))
+        if idx < len(model.layers):
+            path, shard = LAYER_WEIGHTS[m.group(2)]
+            module = get_submodule(model.layers[idx], path)
+    if module is None or getattr(module, param_name, None) is None:
+        raise ValueError(f"unexpected checkpoint weight {hf_name!r} for {type(model).__name__}")
+    return module, param_name, shard
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights under Hugging Face names (views sharing memory with the model), so that
-        ``transformers``' model of the same config can ``load_state_dict`` them. A tied head is
-        included as ``lm_head.weight`` too."""
-        out = {}
-        for hf_name in self.hf_weight_names() + (["lm_head.weight"] if self.lm_head.tied else []):
-            module, param_name, shard = self._locate(hf_name)
-            if hasattr(module, "export_weight"):
-                out[hf_name] = module.export_weight(param_name, shard)
-            else:
-                out[hf_name] = getattr(module, param_name).detach()
-        return out
+
+def dense_weight_names(model: nn.Module) -> list[str]:
+    """The Hugging Face names a checkpoint of a dense decoder must provide (tied head
+    excluded)."""
+    names = []
+    for hf_prefix, path in TOP_WEIGHTS.items():
+        if path == "lm_head" and model.lm_head.tied:
+            continue
+        names += param_names(hf_prefix, getattr(model, path))
+    for i, layer in enumerate(model.layers):
+        for hf_path, (path, _) in LAYER_WEIGHTS.items():
+            module = get_submodule(layer, path)
+            if module is not None:
+                names += param_names(f"model.layers.{i}.{hf_path}", module)
+    return names
+
+
+def load_hf_weights(
+    model: HFNamedModel, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+) -> set[str]:
+    """Copy checkpoint tensors given under Hugging Face names into ``model`` (placed by its
+    ``locate_weight``).
+
+    q/k/v and gate/up go into their merged projections; rotary ``inv_freq`` buffers are
+    ignored; ``lm_head.weight`` is ignored when the head is tied to the embedding.
+
+    Returns:
+        the Hugging Face names that were loaded.
+
+    Raises:
+        ValueError: an unknown name, a shape mismatch, or (``strict``) a missing weight.
+    """
+    loaded = set()
+    for hf_name, tensor in weights:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if hf_name == "lm_head.weight" and model.lm_head.tied:
+            continue
+        module, param_name, shard = model.locate_weight(hf_name)
+        if hasattr(module, "load_weight"):
+            module.load_weight(param_name, tensor, shard)
+        else:
+            copy_weight(getattr(module, param_name), tensor, hf_name)
+        loaded.add(hf_name)
+    missing = [n for n in model.hf_weight_names() if n not in loaded]
+    if strict and missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+    return loaded
+
+
+def export_hf_weights(model: HFNamedModel) -> dict[str, torch.Tensor]:
+    """All of ``model``'s weights under Hugging Face names (views sharing memory with the
+    model), so that ``transformers``' model of the same config can ``load_state_dict`` them. A
+    tied head is included as ``lm_head.weight`` too."""
+    out = {}
+    tied = ["lm_head.weight"] if model.lm_head.tied else []
+    for hf_name in model.hf_weight_names() + tied:
+        module, param_name, shard = model.locate_weight(hf_name)
+        if hasattr(module, "export_weight"):
+            out[hf_name] = module.export_weight(param_name, shard)
+        else:
+            out[hf_name] = getattr(module, param_name).detach()
+    return out
 
 
 def get_submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at dotted ``path`` inside ``module``, or None where a part is missing."""
     for part in path.split("."):
         module = getattr(module, part, None)
         if module is None:
@@ -122,4 +147,5 @@ def get_submodule(module: nn.Module, path: str) -> nn.Module | None:
 
 
 def param_names(prefix: str, module: nn.Module) -> list[str]:
+    """``prefix.<name>`` of each of ``module``'s own parameters."""
     return [f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)]

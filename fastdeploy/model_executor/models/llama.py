@@ -19,6 +19,7 @@ normalises in one kernel; the hidden states between ``post_attention`` and the n
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,12 @@ from fastdeploy.model_executor.layers.rotary_embedding import (
     RotaryEmbedding,
     rope_parameters_from_config,
 )
-from fastdeploy.model_executor.models.hf_weights import HFWeightsMixin
+from fastdeploy.model_executor.models.hf_weights import (
+    dense_weight_names,
+    export_hf_weights,
+    load_hf_weights,
+    locate_dense_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +263,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class DecoderForCausalLM(HFWeightsMixin, nn.Module):
+class DecoderForCausalLM(nn.Module):
     """A dense decoder-only language model (the shared implementation).
 
     Args:
@@ -395,6 +401,37 @@ class DecoderForCausalLM(HFWeightsMixin, nn.Module):
             return self.lm_head(hidden_states)
         # the tensor-parallel head (all-gathered logits) takes no out: never given one
         return self.lm_head(hidden_states, out=out)
+
+    # ------------------------------------------------------------ Hugging Face weights
+    def locate_weight(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
+        """Where the checkpoint tensor ``hf_name`` goes: ``(module, parameter name, shard)``
+        (:func:`~fastdeploy.model_executor.models.hf_weights.locate_dense_weight`).
+
+        Raises:
+            ValueError: a name this model has no parameter for.
+        """
+        return locate_dense_weight(self, hf_name)
+
+    def hf_weight_names(self) -> list[str]:
+        """The Hugging Face names a checkpoint of this model must provide (tied head excluded)."""
+        return dense_weight_names(self)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """Copy checkpoint tensors given under Hugging Face names into the model
+        (:func:`~fastdeploy.model_executor.models.hf_weights.load_hf_weights`); returns the
+        names loaded.
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch, or (``strict``) a missing weight.
+        """
+        return load_hf_weights(self, weights, strict)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights under Hugging Face names, views of the model's
+        (:func:`~fastdeploy.model_executor.models.hf_weights.export_hf_weights`)."""
+        return export_hf_weights(self)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -129,10 +129,15 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                     if getattr(module, param, None) is None:
                         raise ValueError(f"unexpected checkpoint weight {hf_name!r}")
                     return module, param, shard, f"model.layers.{m.group(1)}.{canonical}"
-        module, param, shard = super()._locate(hf_name)
+        module, param, shard = super().locate_weight(hf_name)
         return module, param, shard, hf_name
 
-    def _locate(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
+    def locate_weight(self, hf_name: str) -> tuple[nn.Module, str, Hashable | None]:
+        """Where the checkpoint tensor ``hf_name`` goes, expert forms included.
+
+        Raises:
+            ValueError: a name this model has no parameter for.
+        """
         return self._resolve(hf_name)[:3]
 
     def hf_weight_names(self) -> list[str]:

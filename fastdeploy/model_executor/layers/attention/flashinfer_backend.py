@@ -33,7 +33,7 @@ from fastdeploy import envs
 from fastdeploy.core.host_staging import record_event
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend, AttentionBatch
 from fastdeploy.model_executor.layers.attention.flashinfer_direct import LayerAttention
-from fastdeploy.model_executor.layers.attention.flashinfer_graph_decode import GraphDecodeMixin
+from fastdeploy.model_executor.layers.attention.flashinfer_graph_decode import GraphDecode
 from fastdeploy.model_executor.layers.attention.flashinfer_layout import (  # noqa: F401 - re-exported
     WORKSPACE_BYTES,
     WORKSPACE_MARGIN_BYTES,
@@ -84,7 +84,7 @@ def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     return group >= TENSOR_CORE_MIN_GROUP or group not in CUDA_CORE_DECODE_GROUPS
 
 
-class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
+class FlashInferAttentionBackend(AttentionBackend):
     """flashinfer paged attention (prefill/extend, decode, decode in full CUDA graphs).
 
     Args:
@@ -104,7 +104,9 @@ class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
             multiple of ``num_kv_heads``, or a non-positive size.
 
     Owns a float workspace of :func:`float_workspace_bytes` (128 MiB or more), an 8 MiB int
-    workspace and the fixed-size graph buffers.
+    workspace and the decode graphs' part (:attr:`graph_decode`, a
+    :class:`~fastdeploy.model_executor.layers.attention.flashinfer_graph_decode.GraphDecode`:
+    the fixed-size graph buffers and their planner).
     """
 
     name = "flashinfer"
@@ -169,7 +171,10 @@ class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
             if envs.FD_FLASHINFER_DIRECT_PLAN()
             else None
         )
-        self._init_graph_decode()  # decode graphs: fixed buffers, planner (flashinfer_graph_decode)
+        self.graph_decode = GraphDecode(
+            flashinfer, self.workspace, self._int_workspace, self.use_tensor_cores,
+            max_num_reqs, max_num_blocks, block_size, dev, self._staging,
+        )  # fmt: skip
         self._kv_views: dict[int, tuple] = {}  # see bind_kv_caches
 
     # ------------------------------------------------------------------ planning
@@ -218,6 +223,40 @@ class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
         self._staging.queued()
         return FlashInferMetadata(wrapper, batch.num_tokens, batch.slot_mapping)
 
+    def _plan_decode(
+        self, wrapper: Any, *arrays: Any, plan_fn: Callable[..., None] | None = None
+    ) -> None:
+        """Plan a decode ``wrapper`` (``wrapper.plan`` or ``plan_fn``) with ``arrays`` followed
+        by the backend's shape and dtypes (see ``_plan``)."""
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        self._plan(
+            wrapper, *arrays, *shape, plan_fn=plan_fn,
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ decode graphs
+    def make_graph_decode_metadata(self, batch_size: int) -> FlashInferMetadata:
+        """Prepare for capture: a CUDA-graph decode wrapper for a bucket of ``batch_size``
+        requests, bound to the fixed metadata buffers (:meth:`GraphDecode.make_metadata` says
+        the capture protocol).
+
+        Raises:
+            ValueError: ``batch_size`` outside ``1..max_num_reqs``.
+        """
+        return self.graph_decode.make_metadata(batch_size)
+
+    def plan_graph_decode(
+        self, graph_metadata: FlashInferMetadata, batch: AttentionBatch, batch_size: int
+    ) -> FlashInferMetadata:
+        """Prepare for replay: re-plan the bucket's wrapper for this step, in place, before
+        every replay of its graph (:meth:`GraphDecode.plan`).
+
+        Raises:
+            ValueError: wrong bucket, not decode-only, too many requests or pages, unpadded rows.
+            RuntimeError: the slot mapping is not at the address the graph was captured with.
+        """
+        return self.graph_decode.plan(graph_metadata, batch, batch_size, self._plan_decode)
+
     def _plan(
         self, wrapper: Any, *args: Any, plan_fn: Callable[..., None] | None = None, **kwargs: Any
     ) -> None:
@@ -245,7 +284,7 @@ class FlashInferAttentionBackend(GraphDecodeMixin, AttentionBackend):
             k, v = c.unbind(1)
             self._kv_views[id(c)] = (c, (k, v), (k.stride(), v.stride()))
         if not kv_caches:  # the engine releases its graphs with its caches
-            self._graph_plan_key = None
+            self.graph_decode.forget_plan()
 
     # ------------------------------------------------------------------ forward
     def segment_attention(

@@ -1,7 +1,7 @@
 """The flashinfer backend's decode CUDA graphs: their fixed metadata buffers, one wrapper per
-bucket, and the plan before each replay (:class:`GraphDecodeMixin`, a part of
-:class:`~fastdeploy.model_executor.layers.attention.flashinfer_backend.FlashInferAttentionBackend`
-kept in a file of its own).
+bucket, and the plan before each replay (:class:`GraphDecode`, owned by
+:class:`~fastdeploy.model_executor.layers.attention.flashinfer_backend.FlashInferAttentionBackend`,
+which hands it what it needs).
 
 Every bucket's wrapper reads the same fixed buffers (``kv_indptr``, ``kv_last_page_len``, the page
 ids), packed in one device buffer
@@ -30,43 +30,80 @@ from fastdeploy.model_executor.layers.attention.flashinfer_staging import (
     host_page_ids,
 )
 
+#: ``plan_decode(wrapper, *arrays, plan_fn=None)``: the backend's decode plan (it waits for the
+#: wrapper's previous plan and adds the attention shape and dtypes).
+PlanDecode = Callable[..., None]
 
-class GraphDecodeMixin:
-    """The decode-graph part of the flashinfer backend. It uses the backend's attributes
-    (``_flashinfer``, ``workspace``, ``_int_workspace``, ``use_tensor_cores``, ``max_num_reqs``,
-    ``max_num_blocks``, the attention shape and dtype, ``_staging``) and its ``_plan``; the
-    backend calls :meth:`_init_graph_decode` once those exist."""
 
-    def _init_graph_decode(self) -> None:
-        """The fixed buffers captured decode graphs read, the direct planner, the plan key."""
-        r = self.max_num_reqs
+class GraphDecode:
+    """The decode-graph part of the flashinfer backend: the fixed buffers every bucket's graph
+    reads, the direct planner and the key of the last plan.
+
+    Args:
+        flashinfer: the flashinfer module (its decode wrapper class and version).
+        workspace: the backend's float workspace (shared by every wrapper).
+        int_workspace: the int workspace shared by the bucket wrappers (uint8, device).
+        use_tensor_cores: whether decode runs flashinfer's tensor-core kernel.
+        max_num_reqs: the largest bucket.
+        max_num_blocks: capacity of the fixed page-index buffer.
+        block_size: tokens per KV block.
+        device: the CUDA device of the buffers.
+        staging: the backend's :class:`PlanStaging` (pinned host arrays, one copy per plan).
+
+    Attributes:
+        planner: plans without flashinfer's Python ``plan`` where that is safe
+            (:class:`GraphDecodePlanner`; ``FD_FLASHINFER_DIRECT_PLAN``, CUDA-core path only),
+            else None.
+    """
+
+    def __init__(
+        self,
+        flashinfer: Any,
+        workspace: torch.Tensor,
+        int_workspace: torch.Tensor,
+        use_tensor_cores: bool,
+        max_num_reqs: int,
+        max_num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        staging: PlanStaging,
+    ) -> None:
+        self._flashinfer = flashinfer
+        self.workspace = workspace
+        self._int_workspace = int_workspace
+        self.use_tensor_cores = use_tensor_cores
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks = max_num_blocks
+        self.block_size = block_size
+        self._staging = staging
+        r = max_num_reqs
         self._graph_fixed = torch.zeros(
-            PlanStaging.graph_decode_size(r, self.max_num_blocks),
-            dtype=torch.int32,
-            device=self.device,
+            PlanStaging.graph_decode_size(r, max_num_blocks), dtype=torch.int32, device=device
         )
         self._graph_kv_indptr = self._graph_fixed[: r + 1]
         self._graph_kv_last_page_len = self._graph_fixed[r + 1 : 2 * r + 1]
         self._graph_kv_last_page_len.fill_(1)
         self._graph_kv_indices = self._graph_fixed[2 * r + 1 :]
-        # Graph decode plans without flashinfer's Python plan() where that is safe.
-        self._graph_planner = (
-            GraphDecodePlanner(getattr(self._flashinfer, "__version__", ""), self.device)
-            if envs.FD_FLASHINFER_DIRECT_PLAN() and not self.use_tensor_cores
+        self.planner = (
+            GraphDecodePlanner(getattr(flashinfer, "__version__", ""), device)
+            if envs.FD_FLASHINFER_DIRECT_PLAN() and not use_tensor_cores
             else None
         )
-        # (wrapper, kv_indptr bytes, page id bytes) of the last graph decode plan; see
-        # plan_graph_decode.
+        # (wrapper, kv_indptr bytes, page id bytes) of the last graph decode plan; see plan().
         self._graph_plan_key: tuple | None = None
 
-    def make_graph_decode_metadata(self, batch_size: int) -> FlashInferMetadata:
+    def forget_plan(self) -> None:
+        """The next plan of any bucket goes through in full (its graphs were released)."""
+        self._graph_plan_key = None
+
+    def make_metadata(self, batch_size: int) -> FlashInferMetadata:
         """Prepare for capture: a CUDA-graph decode wrapper for a bucket of ``batch_size``
         requests, bound to the backend's fixed metadata buffers (call outside stream capture).
 
         Capture protocol, per bucket ``B`` (largest first):
 
-        1. ``meta = make_graph_decode_metadata(B)``;
-        2. ``plan_graph_decode(meta, dummy_batch, B)`` with a decode step padded to ``B`` tokens
+        1. ``meta = make_metadata(B)``;
+        2. ``plan(meta, dummy_batch, B, plan_decode)`` with a decode step padded to ``B`` tokens
            whose ``slot_mapping`` is the runner's persistent buffer (its address is recorded);
         3. at least one eager forward with ``meta`` (warm-up: compiles the flashinfer and Triton
            kernels and lets flashinfer allocate its small constant buffers outside capture);
@@ -94,8 +131,12 @@ class GraphDecodeMixin:
         self._graph_plan_key = None
         return FlashInferMetadata(wrapper, batch_size, None, graph_batch_size=batch_size)
 
-    def plan_graph_decode(
-        self, graph_metadata: FlashInferMetadata, batch: AttentionBatch, batch_size: int
+    def plan(
+        self,
+        graph_metadata: FlashInferMetadata,
+        batch: AttentionBatch,
+        batch_size: int,
+        plan_decode: PlanDecode,
     ) -> FlashInferMetadata:
         """Prepare for replay: re-plan the bucket's wrapper for this step, in place.
 
@@ -117,10 +158,11 @@ class GraphDecodeMixin:
         ``FD_FLASHINFER_DIRECT_PLAN``), its arrays moved with one copy.
 
         Args:
-            graph_metadata: from :meth:`make_graph_decode_metadata` for ``batch_size``.
+            graph_metadata: from :meth:`make_metadata` for ``batch_size``.
             batch: a decode-only step of at most ``batch_size`` requests, its tokens padded to
                 ``batch_size`` rows (slot -1), its ``slot_mapping`` the buffer seen at capture.
             batch_size: the bucket.
+            plan_decode: the backend's decode plan (see :data:`PlanDecode`).
 
         Raises:
             ValueError: wrong bucket, not decode-only, too many requests or pages, unpadded rows.
@@ -173,27 +215,16 @@ class GraphDecodeMixin:
         # Forgotten first: flashinfer's plan writes the shared buffers before it can fail.
         self._graph_plan_key = None
         arrays = None
-        if self._graph_planner is not None:
+        if self.planner is not None:
             arrays = self._staging.stage_graph_decode(layout, page_ids, self._graph_fixed)
         if arrays is not None:
             try:  # GraphDecodePlanner.plan(wrapper, arrays, ...), after _plan's wait for wrapper
-                self._plan_decode(md.wrapper, md.wrapper, arrays, plan_fn=self._graph_planner.plan)
+                plan_decode(md.wrapper, md.wrapper, arrays, plan_fn=self.planner.plan)
             finally:  # the packed copy is queued even when the plan fails
                 self._staging.queued()
         else:
             layout, indices = self._staging.stage(layout, batch, page_ids)
-            self._plan_decode(md.wrapper, layout.kv_indptr, indices, layout.kv_last_page_len)
+            plan_decode(md.wrapper, layout.kv_indptr, indices, layout.kv_last_page_len)
             self._staging.queued()
         self._graph_plan_key = key
         return md
-
-    def _plan_decode(
-        self, wrapper: Any, *arrays: Any, plan_fn: Callable[..., None] | None = None
-    ) -> None:
-        """Plan a decode ``wrapper`` (``wrapper.plan`` or ``plan_fn``) with ``arrays`` followed
-        by the backend's shape and dtypes (see ``_plan``)."""
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-        self._plan(
-            wrapper, *arrays, *shape, plan_fn=plan_fn,
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
-        )  # fmt: skip

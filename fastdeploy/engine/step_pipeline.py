@@ -1,5 +1,6 @@
 """The engine's step pipeline, with or without the overlap schedule (SGLang's overlap scheduler,
-vLLM's async scheduling): a mixin of :class:`~fastdeploy.engine.engine.LLMEngine`.
+vLLM's async scheduling): :class:`StepPipeline`, owned by
+:class:`~fastdeploy.engine.engine.LLMEngine`.
 
 A step is launched, then finished:
 
@@ -32,11 +33,15 @@ correct:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.worker.async_output import PendingOutput
 
 
@@ -54,22 +59,60 @@ class LaunchedStep:
     samplers: list[Request]
 
 
-class OverlapStepMixin:
-    """The launch and finish halves of :meth:`LLMEngine.step` (see the module docstring)."""
+#: ``token_output(request, token_id, logprobs, now)``: the engine's stop check and output of a
+#: request's new (already appended) token.
+TokenOutput = Callable[[Request, int, list[dict] | None, float], EngineOutput]
 
-    _in_flight: LaunchedStep | None = None
 
-    @property
-    def overlap_schedule(self) -> bool:
-        """The plan's rule 10: step N+1 is scheduled while step N runs."""
-        return self.plan.overlap_schedule
+class StepExecutor(Protocol):
+    """What the pipeline needs of a worker: a step queued on the device, its tokens read later."""
 
-    def _run_step(self, sched: SchedulerOutput, layer_events: list | None) -> list[EngineOutput]:
+    def execute_model_async(
+        self, sched: SchedulerOutput, layer_events: list | None = None
+    ) -> PendingOutput: ...
+
+
+class StepPipeline:
+    """The launch and finish halves of :meth:`LLMEngine.step` (see the module docstring).
+
+    Args:
+        worker: runs a step (:class:`StepExecutor`).
+        scheduler: applies a step's counters at launch (:meth:`Scheduler.advance`) and its
+            tokens at finish (:meth:`Scheduler.resolve`).
+        host_tier: the host KV tier, or None (its copies in flight keep the engine stepping).
+        overlap_schedule: the plan's rule 10: launch step N before finishing step N-1.
+
+    Attributes:
+        in_flight: the launched step whose tokens the host has not read (overlap schedule), or
+            None.
+        last_step_idle: whether the last :meth:`run` launched and finished nothing while no
+            host-tier copy was in flight.
+    """
+
+    def __init__(
+        self,
+        worker: StepExecutor,
+        scheduler: Scheduler,
+        host_tier: HostTier | None,
+        overlap_schedule: bool,
+    ) -> None:
+        self.worker = worker
+        self.scheduler = scheduler
+        self.host_tier = host_tier
+        self.overlap_schedule = overlap_schedule
+        self.in_flight: LaunchedStep | None = None
+        self.last_step_idle = False
+
+    def run(
+        self, sched: SchedulerOutput, layer_events: list | None, token_output: TokenOutput
+    ) -> list[EngineOutput]:
         """Launch ``sched`` and finish the step that is due: ``sched`` itself, or under the
-        overlap schedule the previous step (``sched`` stays in flight)."""
-        launched = self._launch_step(sched, layer_events)
+        overlap schedule the previous step (``sched`` stays in flight). Returns the due step's
+        outputs (none when no step is due), each built by ``token_output`` (the engine's; given
+        per call, so the pipeline holds no reference to the engine)."""
+        launched = self.launch(sched, layer_events)
         if self.overlap_schedule:
-            due, self._in_flight = self._in_flight, launched
+            due, self.in_flight = self.in_flight, launched
         else:
             due = launched
         host = self.host_tier
@@ -77,11 +120,9 @@ class OverlapStepMixin:
         self.last_step_idle = (
             launched is None and due is None and not (host is not None and host.has_work)
         )
-        return self._finish_step(due) if due is not None else []
+        return self.finish(due, token_output) if due is not None else []
 
-    def _launch_step(
-        self, sched: SchedulerOutput, layer_events: list | None
-    ) -> LaunchedStep | None:
+    def launch(self, sched: SchedulerOutput, layer_events: list | None) -> LaunchedStep | None:
         """Queue ``sched`` on the worker and apply its counters; None for an empty step (which
         still reaches the worker: the runner frees the sampling state of finished requests)."""
         if layer_events:
@@ -92,14 +133,14 @@ class OverlapStepMixin:
             return None
         return LaunchedStep(output, self.scheduler.advance(sched))
 
-    def _finish_step(self, step: LaunchedStep) -> list[EngineOutput]:
-        """Wait for ``step``'s tokens, append them, stop-check and build the outputs."""
+    def finish(self, step: LaunchedStep, token_output: TokenOutput) -> list[EngineOutput]:
+        """Wait for ``step``'s tokens, append them, and build the outputs with
+        ``token_output`` (which stop-checks)."""
         token_ids = step.output.token_ids()  # no per-row objects unless logprobs were asked
         if step.output.prompt_logprobs is not None:  # before the tokens: a first output sends them
             self._take_prompt_logprobs(step.output.prompt_logprobs.entries())
         now = time.monotonic()
         outputs = []
-        token_output = self._token_output
         for request in self.scheduler.resolve(step.samplers, token_ids):
             token_id = token_ids[request.request_id]
             logprobs = None
