@@ -8,7 +8,8 @@ running).
 A test that starts a process (a server, an engine process, TP ranks, PD nodes, vllm-router: any
 ``subprocess.Popen`` or ``multiprocessing`` start, in the test or in a fixture it uses) must carry
 the ``slow`` marker, so that ``pytest -m "not slow"`` is the fast part (docs/testing.md). A test
-without it that starts one fails, naming what it started; the start itself raises
+without it that starts one (a Python interpreter, our console scripts, a peer server; see
+:data:`SERVERS`) fails, naming what it started; the start itself raises
 :class:`ProcessInFastTestError`, so the fast part never waits on a server.
 """
 
@@ -18,17 +19,22 @@ import multiprocessing.process
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
 
-# Short-lived tools that libraries run while importing, describing the host or compiling
-# (platform.processor(), ctypes.util.find_library, a benchmark's `git rev-parse`, torch.compile's
-# C++ compiler): not processes a test starts.
-PROBES = {
-    "uname", "ldconfig", "ldconfig.real", "ld", "objdump", "nvidia-smi", "git",
-    "gcc", "g++", "cc", "c++", "clang", "clang++", "nvcc", "ninja",
-}  # fmt: skip
+# What counts as a process a test starts: a Python interpreter (an engine process, a server, TP
+# ranks, a benchmark's client), our console scripts, and the peers tests run beside us. Tools
+# that libraries run while importing, describing the host or compiling (`file -b`, `uname`,
+# ldconfig, a C compiler, ninja, git) are not; GPU tests (the `gpu` marker) are not checked, since
+# their kernels' JIT builds run whatever the host's toolchain runs.
+SERVERS = {"fastdeploy", "vllm-router", "etcd", "nats-server", "dynamo"}
+
+
+def _is_server(program: str) -> bool:
+    return program.startswith("python") or program in SERVERS
+
 
 _current: pytest.Item | None = None
 _started: dict[str, list[str]] = {}
@@ -40,7 +46,7 @@ class ProcessInFastTestError(RuntimeError):
 
 def _check_start(what: str) -> None:
     item = _current
-    if item is None or item.get_closest_marker("slow") is not None:
+    if item is None or item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
         return
     _started.setdefault(item.nodeid, []).append(what)
     raise ProcessInFastTestError(
@@ -56,7 +62,7 @@ _process_start = multiprocessing.process.BaseProcess.start
 def _guarded_popen_init(self, args, *a, **kw):
     argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
     program = os.path.basename(os.fsdecode(argv[0]).split()[0]) if argv else ""
-    if program not in PROBES:
+    if _is_server(program) or os.fsdecode(argv[0]) == sys.executable:
         _check_start(f"subprocess {' '.join(map(os.fsdecode, argv))[:200]}")
     _popen_init(self, args, *a, **kw)
 
