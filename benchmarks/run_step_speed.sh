@@ -65,12 +65,26 @@ for part in $PARTS; do
       "$PY" -m fastdeploy.entrypoints.openai.api_server "${MODEL_ARGS[@]}" --port "$PORT" \
         --max-num-seqs 64 --log-level warning > "$OUT/server.log" 2>&1 &
       SERVER_PID=$!
-      for _ in $(seq 1 300); do
-        "$PY" -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
-          2>/dev/null && break
-        kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited; see $OUT/server.log" >&2; exit 1; }
-        sleep 1
-      done
+      # One poller for up to 300 s, every 0.1 s (a new interpreter per poll cost ~0.5 s each).
+      "$PY" - "$PORT" "$SERVER_PID" <<'POLL' || { echo "server exited; see $OUT/server.log" >&2; exit 1; }
+import os, sys, time
+
+import httpx
+
+port, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    time.sleep(0.1)
+POLL
       "$PY" "$HERE/benchmark_serving.py" --base-url "http://127.0.0.1:$PORT" --concurrency 64 \
         --num-clients "$NUM_CLIENTS" --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 128 \
         --vocab-size "${VOCAB_SIZE:-49152}" \

@@ -175,3 +175,37 @@ def test_gguf_config_is_cached_per_file_version(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", real)
     third = source_module.resolve_model(None, "auto", None)
     assert third.hf_config.to_dict() == first.hf_config.to_dict()
+
+
+def test_gguf_tokenizer_is_cached_per_file_version(tmp_path, monkeypatch):
+    """The GGUF's tokenizer is parsed from the file once and saved by the config; later loads
+    read the saved copy (the same ids and chat template), and a damaged copy is read again."""
+    import transformers
+
+    from fastdeploy.model_executor.model_loader import source as source_module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = source_module.resolve_model(None, "auto", None)
+    first = src.load_tokenizer()
+    (entry,) = source_module.gguf_config_cache_dir().iterdir()
+    assert (entry / "tokenizer" / "tokenizer_config.json").is_file()
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def no_gguf(path, **kwargs):
+        assert "gguf_file" not in kwargs, "the GGUF file was parsed again"
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
+    second = src.load_tokenizer()
+    text = "Hello, 世界! def f(x): return x**2"
+    chat = [{"role": "user", "content": text}]
+    assert second.encode(text) == first.encode(text) and second.get_vocab() == first.get_vocab()
+    assert second.apply_chat_template(chat, tokenize=False) == first.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert second.eos_token_id == first.eos_token_id
+    for f in (entry / "tokenizer").iterdir():
+        f.write_text("{broken")  # a damaged entry is read again
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", real)
+    third = src.load_tokenizer()
+    assert third.encode(text) == first.encode(text)

@@ -15,6 +15,7 @@ selection bias ``exp_probs_b``; they map to the stacked Hugging Face-style names
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,20 @@ def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _reader(path: str | Path) -> Any:
+    """An open ``gguf.GGUFReader`` of ``path``, shared within the process per file version
+    (absolute path, size, modification time). Building one parses the whole metadata (a
+    vocabulary and its merges: seconds), and a load opens the file twice (count, then iterate);
+    the reader maps the file read-only and is never written, so sharing it changes nothing."""
+    p = Path(path).resolve()
+    stat = p.stat()
+    return _open_reader(str(p), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, size: int, mtime_ns: int) -> Any:
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(path)
 
 
 def gguf_architecture(reader: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,12 @@ class ModelSource:
         return architecture_of(self.hf_config)
 
     def load_tokenizer(self) -> Any:
-        """``transformers.AutoTokenizer`` of the model (from the GGUF metadata for GGUF)."""
+        """``transformers.AutoTokenizer`` of the model (from the GGUF metadata for GGUF, cached
+        per file version like the config: see :func:`_gguf_tokenizer`)."""
         from transformers import AutoTokenizer
 
+        if set(self.tokenizer_kwargs) == {"gguf_file"}:
+            return _gguf_tokenizer(Path(self.tokenizer_path) / self.tokenizer_kwargs["gguf_file"])
         return AutoTokenizer.from_pretrained(self.tokenizer_path, **self.tokenizer_kwargs)
 
 
@@ -154,6 +158,29 @@ def _store_gguf_config(gguf_path: Path, config: Any) -> None:
         os.replace(tmp, entry / "config.json")
     except OSError:
         pass
+
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """The GGUF file's tokenizer. ``transformers`` parses the whole metadata to build it (seconds
+    at every engine and server start), so the first load saves it (``save_pretrained``) next to
+    the cached config and later loads read that copy; a damaged copy is replaced."""
+    from transformers import AutoTokenizer
+
+    entry = _gguf_cache_path(gguf_path) / "tokenizer"
+    if (entry / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(entry))
+        except Exception:  # a damaged entry (tokenizers raises a bare Exception): read the file
+            shutil.rmtree(entry, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tmp = entry.with_name(f"tokenizer.{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, entry)  # fails when another process stored it first: theirs is kept
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # or a cache that cannot be written: skipped
+    return tokenizer
 
 
 def _single_gguf(directory: Path) -> str | None:
