@@ -27,12 +27,14 @@ class HostPrefixCache:
 
     Args:
         num_blocks: host blocks (``swap_space`` bytes / bytes per block).
+        record_evictions: remember the hashes of evicted published blocks for
+            :meth:`take_evicted` (the host tier's ``BlockRemoved`` events).
 
     Raises:
         ValueError: ``num_blocks < 1``.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"host num_blocks={num_blocks} is invalid; allowed: >= 1")
         self.num_blocks = num_blocks
@@ -43,6 +45,8 @@ class HostPrefixCache:
         self._pins: dict[int, int] = {}
         # Published, unpinned blocks, least recently used first.
         self._lru: OrderedDict[int, None] = OrderedDict()
+        # Hashes of published blocks evicted since take_evicted() (None: not recorded).
+        self._evicted: list[BlockHash] | None = [] if record_evictions else None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -69,6 +73,18 @@ class HostPrefixCache:
     def pin_counts(self) -> dict[int, int]:
         """Pinned host block -> number of swap-ins reading it."""
         return dict(self._pins)
+
+    def published_hashes(self) -> set[BlockHash]:
+        """Hashes of the published blocks (those a lookup can hit)."""
+        return {h for b, h in self._hash_of.items() if b not in self._storing}
+
+    def take_evicted(self) -> list[BlockHash]:
+        """Hashes of the published blocks evicted since the last call, in order (empty unless
+        ``record_evictions``)."""
+        if not self._evicted:
+            return []
+        taken, self._evicted = self._evicted, []
+        return taken
 
     def contains(self, block_hash: BlockHash) -> bool:
         """The hash is on the host, stored or still storing (no second store is needed)."""
@@ -102,7 +118,10 @@ class HostPrefixCache:
         if not self._free:
             if not self._lru:
                 return None
-            self._forget(self._lru.popitem(last=False)[0])
+            victim = self._lru.popitem(last=False)[0]
+            if self._evicted is not None:
+                self._evicted.append(self._hash_of[victim])
+            self._forget(victim)
         block = self._free.pop()
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash

@@ -26,6 +26,11 @@ Fences (what keeps a copy from reading or writing a block someone else owns):
   being read by a swap-in is pinned;
 * a request aborted while its swap-in is in flight keeps its device blocks (the scheduler parks
   them) until the copy landed.
+
+KV-cache events (when the device manager records them): a host block that is published emits
+``BlockStored`` (medium ``"CPU"``, with its parent hash and token ids), a published host block
+evicted for a new store emits ``BlockRemoved`` (medium ``"CPU"``); :meth:`HostTier.take_events`
+hands them to the engine with the device tier's.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fastdeploy.cache_manager.block_hash import BlockHash, external_block_hash
 from fastdeploy.cache_manager.host_cache import HostPrefixCache
 from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
 from fastdeploy.config import HOST_STORE_POLICIES, SWAP_IN_MODES
 from fastdeploy.core.request import Request
+from fastdeploy.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class CopyJob(Protocol):
@@ -130,7 +137,11 @@ class HostTier:
                 f"{', '.join(HOST_STORE_POLICIES)}"
             )
         self.kv = kv_cache_manager
-        self.host = HostPrefixCache(num_host_blocks)
+        self.events_on = kv_cache_manager.records_events
+        self.host = HostPrefixCache(num_host_blocks, record_evictions=self.events_on)
+        # Host block -> (hash, parent hash, token ids) of its store in flight (events only).
+        self._store_meta: dict[int, tuple[BlockHash, BlockHash | None, list[int]]] = {}
+        self._events: list[KVCacheEvent] = []
         self.bytes_per_block = bytes_per_block
         self.copier = copier
         self.layerwise = swap_in_mode == "layerwise"
@@ -184,6 +195,8 @@ class HostTier:
                 continue
             for block in store.host_blocks:
                 self.host.publish(block)
+                if self.events_on:
+                    self._record_stored(block)
             self.kv.release_blocks(store.device_blocks)
             self.stats.store_bytes += len(store.host_blocks) * self.bytes_per_block
         self._stores = still
@@ -224,7 +237,7 @@ class HostTier:
         pin those device blocks (one more reference) and issue one store for all of them."""
         prefix_cache = self.kv.prefix_cache
         device, host = [], []
-        for block_hash, block_id, is_prompt in self.kv.take_newly_cached():
+        for block_hash, block_id, is_prompt, parent, tokens in self.kv.take_newly_cached():
             if self.store_policy == "prompt" and not is_prompt:
                 continue
             if prefix_cache.lookup(block_hash) != block_id:
@@ -236,11 +249,42 @@ class HostTier:
                 continue
             device.append(block_id)
             host.append(host_block)
+            if self.events_on:
+                self._store_meta[host_block] = (block_hash, parent, tokens)
+        self._record_removed()
         if not device:
             return
         self.kv.hold_blocks(device)
         job = self.copier.store_blocks(device, host)
         self._stores.append(_Store(job, device, host))
+
+    # ------------------------------------------------------------ events
+    def take_events(self) -> list[KVCacheEvent]:
+        """The host tier's KV-cache events since the last call, in order (empty when off)."""
+        if not self._events:
+            return []
+        taken, self._events = self._events, []
+        return taken
+
+    def _record_stored(self, host_block: int) -> None:
+        block_hash, parent, tokens = self._store_meta.pop(host_block)
+        self._events.append(
+            BlockStored(
+                [external_block_hash(block_hash)],
+                external_block_hash(parent) if parent is not None else None,
+                list(tokens),
+                self.kv.block_size,
+                None,
+                MEDIUM_CPU,
+            )
+        )
+
+    def _record_removed(self) -> None:
+        evicted = self.host.take_evicted()
+        if evicted:
+            self._events.append(
+                BlockRemoved([external_block_hash(h) for h in evicted], MEDIUM_CPU)
+            )
 
     # ------------------------------------------------------------ queries
     @property

@@ -13,6 +13,12 @@ Memory policy:
     before its head blocks (those are the likelier shared prefixes).
   * A cached block is never written again: admission caps the cached prefix to a block-aligned
     count below the request's length (:meth:`get_computed_blocks`).
+
+KV-cache events (``enable_kv_cache_events``): every change of the prefix cache's set of hashes is
+recorded as a vLLM event in a plain list (no I/O here): ``BlockStored`` when full blocks are
+cached, ``BlockRemoved`` when they are evicted, ``AllBlocksCleared`` on
+:meth:`reset_prefix_cache`; the engine takes them once per step (:meth:`take_events`) and hands
+them to the publisher, as vLLM's ``BlockPool.take_events``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,19 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from fastdeploy.cache_manager.block_pool import BlockPool
+from fastdeploy.cache_manager.block_hash import external_block_hash, get_hash_fn
 from fastdeploy.cache_manager.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
 from fastdeploy.core.request import Request
+from fastdeploy.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+#: An entry of :meth:`KVCacheManager.take_newly_cached`.
+NewlyCached = tuple[BlockHash, int, bool, "BlockHash | None", "list[int] | None"]
 
 
 def fit_max_model_len(
@@ -61,15 +78,27 @@ class KVCacheManager:
 
     Block ``0`` is the pool's reserved null block, so ``num_blocks - 1`` blocks are usable.
 
+    Args:
+        hash_algo: the block hash function (``--prefix-caching-hash-algo``; see
+            :mod:`fastdeploy.cache_manager.block_hash`).
+        enable_kv_cache_events: record KV-cache events for :meth:`take_events`.
+
     Raises:
-        ValueError: ``num_blocks < 2`` or ``block_size < 1``.
+        ValueError: ``num_blocks < 2``, ``block_size < 1`` or an unknown ``hash_algo``.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; allowed: an integer >= 1")
+        get_hash_fn(hash_algo)  # an unknown name fails here
+        self.hash_algo = hash_algo
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
@@ -79,7 +108,9 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_offered_blocks: dict[str, int] = {}
         # Blocks that entered the prefix cache since take_newly_cached() (None: not recorded).
-        self._newly_cached: list[tuple[BlockHash, int, bool]] | None = None
+        self._newly_cached: list[NewlyCached] | None = None
+        # KV-cache events since take_events() (None: not recorded).
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     @property
     def num_blocks(self) -> int:
@@ -134,14 +165,43 @@ class KVCacheManager:
         """Blocks recorded since the last :meth:`take_newly_cached`."""
         return len(self._newly_cached or ())
 
-    def take_newly_cached(self) -> list[tuple[BlockHash, int, bool]]:
-        """``(block_hash, block_id, is_prompt_block)`` of the blocks that entered the prefix
-        cache since the last call, in order; ``is_prompt_block``: it holds prompt tokens only.
-        Empty unless :meth:`record_newly_cached` was called."""
+    def take_newly_cached(self) -> list[NewlyCached]:
+        """``(block_hash, block_id, is_prompt_block, parent_hash, token_ids)`` of the blocks that
+        entered the prefix cache since the last call, in order; ``is_prompt_block``: it holds
+        prompt tokens only; ``parent_hash`` (None for a first block) and the block's
+        ``token_ids`` only when KV-cache events are on (else None and None), for the host
+        tier's events. Empty unless :meth:`record_newly_cached` was called."""
         if self._newly_cached is None:
             return []
         taken, self._newly_cached = self._newly_cached, []
         return taken
+
+    @property
+    def records_events(self) -> bool:
+        """KV-cache events are on (``enable_kv_cache_events``)."""
+        return self._events is not None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call, in order (empty when events are
+        off); the engine publishes them once per step."""
+        if not self._events:
+            return []
+        taken, self._events = self._events, []
+        return taken
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, when no request or other holder uses one (vLLM's
+        ``reset_prefix_cache``); records ``AllBlocksCleared``. Returns False, changing nothing,
+        while a cached block is in use (or prefix caching is off)."""
+        cache = self.prefix_cache
+        if cache is None or cache.num_evictable != len(cache):
+            return False
+        self.block_pool.free([b for b, _ in cache.evict_entries(cache.num_evictable)])
+        if self._newly_cached:
+            self._newly_cached = []
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
 
     def get_computed_blocks(self, request: Request) -> int:
         """Attach the longest prefix-cached run of the request's full blocks; return its tokens.
@@ -204,7 +264,12 @@ class KVCacheManager:
             return False
         shortfall = num_needed - self.block_pool.num_free_blocks
         if shortfall > 0:
-            self.block_pool.free(self.prefix_cache.evict(shortfall))
+            evicted = self.prefix_cache.evict_entries(shortfall)
+            self.block_pool.free([block_id for block_id, _ in evicted])
+            if self._events is not None:
+                self._events.append(
+                    BlockRemoved([external_block_hash(h) for _, h in evicted], MEDIUM_GPU)
+                )
         request.block_ids.extend(self.block_pool.allocate(num_needed))
         return True
 
@@ -235,14 +300,48 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._hashes(request, num_full)
+        stored: list[int] = []  # indexes of the blocks cached now
         for i in range(start, num_full):
             block_id = request.block_ids[i]
             if self.prefix_cache.insert(hashes[i], block_id):
                 self.block_pool.incref([block_id])
+                stored.append(i)
                 if self._newly_cached is not None:
-                    is_prompt = (i + 1) * self.block_size <= request.num_prompt_tokens
-                    self._newly_cached.append((hashes[i], block_id, is_prompt))
+                    self._newly_cached.append(self._newly_cached_entry(request, hashes, i))
         self._num_offered_blocks[request.request_id] = num_full
+        if self._events is not None and stored:
+            self._record_stored(request, hashes, stored)
+
+    def _newly_cached_entry(self, request: Request, hashes: list[BlockHash], i: int) -> NewlyCached:
+        size = self.block_size
+        is_prompt = (i + 1) * size <= request.num_prompt_tokens
+        if self._events is None:
+            return hashes[i], request.block_ids[i], is_prompt, None, None
+        parent = hashes[i - 1] if i > 0 else None
+        tokens = request.all_token_ids[i * size : (i + 1) * size]
+        return hashes[i], request.block_ids[i], is_prompt, parent, tokens
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached blocks (indexes ``stored``,
+        ascending) of ``request``; a run's parent is the hash of the block before it."""
+        size = self.block_size
+        tokens = request.all_token_ids
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            self._events.append(
+                BlockStored(
+                    [external_block_hash(hashes[i]) for i in range(first, last + 1)],
+                    external_block_hash(hashes[first - 1]) if first > 0 else None,
+                    list(tokens[first * size : (last + 1) * size]),
+                    size,
+                    None,
+                    MEDIUM_GPU,
+                )
+            )
+            run_start = k
 
     def cache_known_blocks(self, requests: Iterable[Request]) -> None:
         """:meth:`cache_full_blocks` of each request over its computed tokens whose ids the host
@@ -344,6 +443,8 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else None
             hashes.extend(
-                hash_full_blocks(request.all_token_ids, self.block_size, parent, start=len(hashes))
+                hash_full_blocks(
+                    request.all_token_ids, self.block_size, parent, len(hashes), self.hash_algo
+                )
             )
         return hashes

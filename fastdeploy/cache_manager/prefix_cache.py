@@ -1,10 +1,9 @@
 """Prefix caching: a map from the hash of a full KV block's token prefix to the block holding it.
 
-Each FULL block of a sequence is named by a hash chain, ``h_i = H(h_{i-1}, tokens of block i)``
-with ``h_{-1} = None``, so equal hashes mean equal whole prefixes (the scheme of vLLM's automatic
-prefix caching). ``H`` is SHA-256 over the parent digest and the token ids as int64, which is
-deterministic across processes and collision-resistant. Only token ids are hashed (no LoRA or
-multimodal keys: the engine has neither).
+Each FULL block of a sequence is named by a hash chain, ``h_i = H(h_{i-1}, tokens of block i)``,
+so equal hashes mean equal whole prefixes. ``H`` and the first block's parent are vLLM's
+(:mod:`fastdeploy.cache_manager.block_hash`), so a router computes the same hashes from the same
+token ids. Only token ids are hashed (no LoRA or multimodal keys: the engine has neither).
 
 The cache holds one reference on every cached block in the :class:`BlockPool` (taken by the
 :class:`~fastdeploy.cache_manager.kv_cache_manager.KVCacheManager`), so a cached block that no
@@ -14,39 +13,31 @@ kept in least-recently-released order and evicted from the front (LRU) when the 
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BlockHash = bytes
+from fastdeploy.cache_manager.block_hash import BlockHash, hash_block_tokens
 
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The chain hash of one full block: SHA-256 of ``parent_hash`` and the block's token ids.
-
-    Args:
-        parent_hash: the previous block's hash, ``None`` for the first block.
-        token_ids: exactly ``block_size`` token ids (int, each fits int64).
-    """
-    h = hashlib.sha256()
-    h.update(parent_hash if parent_hash is not None else b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+__all__ = ["BlockHash", "PrefixCache", "hash_block_tokens", "hash_full_blocks"]
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, parent_hash: BlockHash | None = None, start: int = 0
+    token_ids: Sequence[int],
+    block_size: int,
+    parent_hash: BlockHash | None = None,
+    start: int = 0,
+    algo: str = "sha256",
 ) -> list[BlockHash]:
     """Chain hashes of the full blocks of ``token_ids`` from block index ``start`` on.
 
     ``parent_hash`` must be the hash of block ``start - 1`` (``None`` when ``start == 0``). A
-    trailing partial block is not hashed.
+    trailing partial block is not hashed. ``algo``: see
+    :func:`~fastdeploy.cache_manager.block_hash.hash_block_tokens`.
     """
     hashes = []
     for i in range(start, len(token_ids) // block_size):
         parent_hash = hash_block_tokens(
-            parent_hash, token_ids[i * block_size : (i + 1) * block_size]
+            parent_hash, token_ids[i * block_size : (i + 1) * block_size], algo
         )
         hashes.append(parent_hash)
     return hashes
@@ -126,14 +117,31 @@ class PrefixCache:
         Raises:
             ValueError: fewer than ``n`` blocks are evictable.
         """
+        return [block_id for block_id, _ in self.evict_entries(n)]
+
+    def evict_entries(self, n: int) -> list[tuple[int, BlockHash]]:
+        """:meth:`evict`, returning ``(block_id, block_hash)`` of each evicted block.
+
+        Raises:
+            ValueError: fewer than ``n`` blocks are evictable.
+        """
         if n > len(self._evictable):
             raise ValueError(f"cannot evict {n} blocks; only {len(self._evictable)} are evictable")
         evicted = []
         for _ in range(n):
             block_id, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block_id)]
-            evicted.append(block_id)
+            block_hash = self._hash_of.pop(block_id)
+            del self._block_of[block_hash]
+            evicted.append((block_id, block_hash))
         return evicted
+
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        """The hash ``block_id`` is cached under, or ``None``."""
+        return self._hash_of.get(block_id)
+
+    def cached_hashes(self) -> set[BlockHash]:
+        """Hashes of all cached blocks."""
+        return set(self._block_of)
 
     def check_integrity(self) -> None:
         """Check that the two maps are inverse and evictable blocks are cached.

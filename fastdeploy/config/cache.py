@@ -8,6 +8,9 @@ from fastdeploy.config.checks import check, check_int, is_number
 
 SWAP_IN_MODES = ("request", "layerwise")
 HOST_STORE_POLICIES = ("prompt", "all")
+#: ``--prefix-caching-hash-algo`` choices implemented here, named as in vLLM v0.11.0 (which also
+#: has xxhash variants; they need the ``xxhash`` package, not a dependency here).
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor")
 
 
 @dataclass
@@ -18,6 +21,8 @@ class CacheConfig:
     copies land; no wait inside the forward) or ``layerwise`` (copies per layer, each layer
     waits on its own event before its KV store). ``host_store_policy`` says which full blocks
     are written through to the host: ``prompt`` blocks only, or ``all`` (decode blocks too).
+    ``prefix_caching_hash_algo`` is the hash function of the prefix cache's block hash chain
+    (vLLM's flag and scheme; see :mod:`fastdeploy.cache_manager.block_hash`).
     """
 
     block_size: int = 64
@@ -27,6 +32,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_in_mode: str = "request"
     host_store_policy: str = "prompt"
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
@@ -60,6 +66,12 @@ class CacheConfig:
             "host_store_policy",
             self.host_store_policy,
             ", ".join(HOST_STORE_POLICIES),
+        )
+        check(
+            self.prefix_caching_hash_algo in PREFIX_CACHING_HASH_ALGOS,
+            "prefix_caching_hash_algo",
+            self.prefix_caching_hash_algo,
+            ", ".join(PREFIX_CACHING_HASH_ALGOS),
         )
         check(
             self.swap_space == 0 or self.enable_prefix_caching,

@@ -12,6 +12,7 @@ from fastdeploy.config.cache import CacheConfig
 from fastdeploy.config.checks import check, unknown_key_error
 from fastdeploy.config.device import DeviceConfig
 from fastdeploy.config.graph import GraphOptimizationConfig
+from fastdeploy.config.kv_events import KVEventsConfig
 from fastdeploy.config.model import LoadConfig, ModelConfig
 from fastdeploy.config.parallel import ParallelConfig
 from fastdeploy.config.scheduler import SchedulerConfig
@@ -36,6 +37,7 @@ class FDConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     graph_opt_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     # A ModelSource (fastdeploy.model_executor.model_loader.source); typed Any so that this low
     # module imports nothing above it.
     model_source: Any = field(default=None, compare=False, repr=False)

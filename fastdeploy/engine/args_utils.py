@@ -24,12 +24,14 @@ from fastdeploy.config import (
     HOST_STORE_POLICIES,
     KV_LOAD_FAILURE_POLICIES,
     LOAD_FORMATS,
+    PREFIX_CACHING_HASH_ALGOS,
     SPLITWISE_ROLES,
     SWAP_IN_MODES,
     CacheConfig,
     DeviceConfig,
     FDConfig,
     GraphOptimizationConfig,
+    KVEventsConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
@@ -140,6 +142,25 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = field(
         default=True, metadata=_cli("reuse KV blocks of shared prompt prefixes")
+    )
+    prefix_caching_hash_algo: str = field(
+        default="sha256",
+        metadata=_cli(
+            "hash function of the prefix cache's block hash chain (vLLM's flag and scheme: "
+            "sha256 of the pickled (parent hash, block token ids, None); sha256_cbor: of its "
+            "canonical CBOR)",
+            str,
+            PREFIX_CACHING_HASH_ALGOS,
+        ),
+    )
+    kv_events_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_cli(
+            "KV-cache events in vLLM's wire format as a JSON object with vLLM's fields, e.g. "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (default: None, events off)',
+            _json_object,
+        ),
     )
     dtype: str = field(default="auto", metadata=_cli("weight and activation dtype", str, DTYPES))
     load_format: str = field(default="auto", metadata=_cli("weight format", str, LOAD_FORMATS))
@@ -423,7 +444,15 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             swap_in_mode=self.swap_in_mode,
             host_store_policy=self.host_store_policy,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
         )
+        kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
+        if kv_events_config.enable_kv_cache_events and not self.enable_prefix_caching:
+            # vLLM (VllmConfig) warns likewise: no block enters a prefix cache, so none is stored
+            logger.warning(
+                "kv_events_config.enable_kv_cache_events is true but prefix caching is off: no "
+                "BlockStored/BlockRemoved event will be published; drop --no-enable-prefix-caching"
+            )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             splitwise_role=self.splitwise_role,
@@ -473,5 +502,6 @@ class EngineArgs:
             load_config=load_config,
             device_config=DeviceConfig(device=device, attention_backend=backend),
             graph_opt_config=graph_opt_config,
+            kv_events_config=kv_events_config,
             model_source=model_source,
         )

@@ -28,6 +28,11 @@ With ``--swap-space`` the engine also drives the host KV tier
 write-through stores of the blocks cached in the previous step and polls the copies in flight;
 after scheduling it issues the swap-ins of this step's host hits, whose per-layer events go into
 the forward in ``layerwise`` mode.
+
+With ``--kv-events-config '{"enable_kv_cache_events": true, ...}'`` the KV cache manager and the
+host tier record vLLM's KV-cache events, and after each step the engine takes them and hands them,
+as one batch, to the publisher (:mod:`fastdeploy.distributed.kv_event_publisher`), which sends
+them from its own thread; ``docs/kv-events.md`` has the wire format.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ class LLMEngine:
     #: partly started engine.
     pd_steps: PDSteps | None = None
     kv_layout: dict | None = None
+    kv_event_publisher: Any = None
+    _kv_events_on = False
 
     def __init__(self, config: FDConfig, plan: DeploymentPlan) -> None:
         from fastdeploy.config.plan import DeploymentPlan
@@ -163,8 +170,13 @@ class LLMEngine:
         self.worker.initialize_kv_cache(num_blocks)
         # Ends with the step counters at zero: the metrics count served steps only.
         self.worker.graph_optimize_and_warm_up_model()
+        events = config.kv_events_config
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.prefix_caching_hash_algo,
+            events.enable_kv_cache_events and cache.enable_prefix_caching,
         )
         self.host_tier = None
         if num_host_blocks:
@@ -204,6 +216,11 @@ class LLMEngine:
                 self.kv_cache_manager,
                 config.splitwise_config.pd_decode_wait_timeout,
             )
+        self._kv_events_on = self.kv_cache_manager.records_events
+        if self._kv_events_on:  # last: nothing after it can fail and leave its sockets open
+            from fastdeploy.distributed.kv_event_publisher import make_event_publisher
+
+            self.kv_event_publisher = make_event_publisher(events)
 
     @property
     def pd(self) -> PDRole | None:
@@ -394,8 +411,40 @@ class LLMEngine:
         one (this one runs on while the host returns; see :mod:`fastdeploy.engine.step_pipeline`).
 
         A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
-        the scheduler (its KV blocks freed) before this returns.
+        the scheduler (its KV blocks freed) before this returns. With KV-cache events on, the
+        step's events are handed to the publisher before this returns.
         """
+        outputs = self._step()
+        if self._kv_events_on:
+            self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> int:
+        """Take the KV-cache events recorded since the last call (device tier, then host tier)
+        and hand them to the publisher as one ``KVEventBatch``; returns how many (0: no batch
+        is sent). :meth:`step` calls it; it is also safe to call between steps."""
+        events = self.kv_cache_manager.take_events()
+        if self.host_tier is not None:
+            events += self.host_tier.take_events()
+        if events and self.kv_event_publisher is not None:
+            from fastdeploy.distributed.kv_events import KVEventBatch
+
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+        return len(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached device block (vLLM's ``reset_prefix_cache``), publishing
+        ``AllBlocksCleared`` at once when events are on. Returns False, changing nothing, while
+        a request or a copy holds a cached block, or when a host tier is configured (its
+        blocks would stay cached while subscribers clear them)."""
+        if self.host_tier is not None or not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if self._kv_events_on:
+            self.publish_kv_events()
+        return True
+
+    def _step(self) -> list[EngineOutput]:
+        """The body of :meth:`step`."""
         pd_steps = self.pd_steps
         outputs = (
             pd_steps.step(time.monotonic(), self._token_output) if pd_steps is not None else []
@@ -484,7 +533,11 @@ class LLMEngine:
         return stats
 
     def shutdown(self) -> None:
-        """Release the model, KV cache and graphs (an engine can be created again afterwards)."""
+        """Release the model, KV cache and graphs (an engine can be created again afterwards),
+        after the KV event publisher sent what it holds and closed its sockets."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         if self.pd_steps is not None:
             self.pd_steps.close()
             self.pd_steps = None
