@@ -32,8 +32,11 @@ def test_json_flag_enables_zmq_by_default():
     [
         ("{not json", r"kv_events_config is not valid JSON"),
         ("[1]", r"kv_events_config=\[1\] is invalid; allowed: a JSON object"),
-        ('{"enable_kv_cache_event": true}', r"unknown kv_events_config key .*did you mean "
-         r"enable_kv_cache_events"),
+        (
+            '{"enable_kv_cache_event": true}',
+            r"unknown kv_events_config key .*did you mean "
+            r"enable_kv_cache_events",
+        ),
         ('{"publisher": "kafka"}', r"publisher='kafka' is invalid; allowed: null, zmq"),
         ('{"enable_kv_cache_events": 1}', r"enable_kv_cache_events=1 is invalid; allowed: true"),
         ('{"buffer_steps": 0}', r"buffer_steps=0 is invalid; allowed: an integer >= 1"),

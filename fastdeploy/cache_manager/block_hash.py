@@ -75,7 +75,7 @@ def init_none_hash(algo: str) -> BlockHash:
 
 
 def none_hash(algo: str) -> BlockHash:
-    """``NONE_HASH`` of ``algo``: drawn on first use in this process (see :func:`init_none_hash`)."""
+    """``NONE_HASH`` of ``algo``, drawn on first use in this process (:func:`init_none_hash`)."""
     value = _none_hashes.get(algo)
     return value if value is not None else init_none_hash(algo)
 

@@ -282,9 +282,7 @@ class HostTier:
     def _record_removed(self) -> None:
         evicted = self.host.take_evicted()
         if evicted:
-            self._events.append(
-                BlockRemoved([external_block_hash(h) for h in evicted], MEDIUM_CPU)
-            )
+            self._events.append(BlockRemoved([external_block_hash(h) for h in evicted], MEDIUM_CPU))
 
     # ------------------------------------------------------------ queries
     @property

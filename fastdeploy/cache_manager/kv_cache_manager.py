@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from fastdeploy.cache_manager.block_pool import BlockPool
 from fastdeploy.cache_manager.block_hash import external_block_hash, get_hash_fn
+from fastdeploy.cache_manager.block_pool import BlockPool
 from fastdeploy.cache_manager.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
 from fastdeploy.core.request import Request
 from fastdeploy.distributed.kv_events import (

@@ -6,9 +6,10 @@ parts. Values discovered at start-up (KV block counts, eos ids) are runtime stat
 runtime objects, never here. Field names follow FastDeploy's public ones.
 
 One module per concern: ``checks`` (the ``check`` helper and validators), ``model`` (model and
-weight loading), ``cache``, ``kv_events`` (KV-cache event publishing), ``parallel``, ``splitwise``, ``scheduler``, ``device``, ``graph``
-(CUDA graphs), ``fd_config`` (:class:`FDConfig`, the whole) and ``plan`` (:class:`DeploymentPlan`
-and its :class:`GraphPlan`, resolved from a config). Import the names from here.
+weight loading), ``cache``, ``kv_events`` (KV-cache event publishing), ``parallel``,
+``splitwise``, ``scheduler``, ``device``, ``graph`` (CUDA graphs), ``fd_config``
+(:class:`FDConfig`, the whole) and ``plan`` (:class:`DeploymentPlan` and its :class:`GraphPlan`,
+resolved from a config). Import the names from here.
 ``fastdeploy.config.resolve`` (``resolve_deployment``) is imported by its full name: it reaches the
 layers above (see its docstring).
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+
 from fastdeploy.config.checks import check, check_int, unknown_key_error
 
 #: Publishers, as vLLM's ``EventPublisherFactory`` names them.

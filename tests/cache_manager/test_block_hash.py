@@ -73,6 +73,9 @@ def test_external_hash_is_the_low_64_bits_big_endian():
 
 
 def test_unknown_hash_algo_names_the_choices():
-    with pytest.raises(ValueError, match=r"prefix_caching_hash_algo='md5' is invalid; allowed: "
-                       r"sha256, sha256_cbor"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefix_caching_hash_algo='md5' is invalid; allowed: "
+        r"sha256, sha256_cbor",
+    ):
         KVCacheManager(5, BS, hash_algo="md5")
