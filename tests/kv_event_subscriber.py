@@ -4,6 +4,7 @@ it shares no code with the engine's publisher, so it checks the format, not our 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -64,6 +65,15 @@ class Subscriber:
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == self.topic
             self.received[int.from_bytes(seq, "big")] = payload
+
+    def wait_connected(self, publish, timeout_s: float = 10.0) -> None:
+        """PUB drops messages until this SUB's subscription reached it (ZMQ's slow joiner):
+        ``publish()`` an empty batch every 50 ms until one arrives."""
+        deadline = time.monotonic() + timeout_s
+        while not self.received:
+            assert time.monotonic() < deadline, "the subscriber never connected"
+            publish()
+            self.drain(50)
 
     def replay(self, endpoint: str, start: int, timeout_ms: int = 5000) -> dict[int, bytes]:
         """Ask for every buffered batch from ``start`` on; seq -> payload, up to the end marker."""

@@ -44,19 +44,10 @@ def batch(i: int) -> KVEventBatch:
     )
 
 
-def wait_connected(pub: ZmqEventPublisher, sub: Subscriber) -> None:
-    """PUB drops messages until the SUB's subscription arrived: probe until one gets through."""
-    deadline = time.monotonic() + 5
-    while not sub.received:
-        assert time.monotonic() < deadline, "the subscriber never connected"
-        pub.publish(KVEventBatch(0.0, []))
-        sub.drain(50)
-
-
 def test_seqs_payloads_and_replay(sub):
     pub = ZmqEventPublisher(config(sub.endpoint, buffer_steps=8))
     try:
-        wait_connected(pub, sub)
+        sub.wait_connected(lambda: pub.publish(KVEventBatch(0.0, [])))
         first = max(sub.received) + 1
         for i in range(12):
             pub.publish(batch(i))
