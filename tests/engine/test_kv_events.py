@@ -13,6 +13,7 @@ import pickle
 import random
 
 import pytest
+import zmq
 from kv_event_subscriber import DECODER, BlockRemoved, BlockStored, Subscriber, apply
 from tiny_models import tiny_llama
 
@@ -177,8 +178,16 @@ def test_subscriber_view_equals_device_cache(tiny_dir, sub, seed):
         last = DECODER.decode(sub.received[max(sub.received)])
         assert [type(e).__name__ for e in last.events] == ["AllBlocksCleared"]
     finally:
+        replay_endpoint = eng.kv_event_publisher.last_replay_endpoint
         eng.shutdown()
     assert eng.kv_event_publisher is None
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(replay_endpoint)  # shutdown closed the publisher's sockets: the port is free
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_host_tier_events_carry_medium_cpu(tiny_dir, sub):
