@@ -8,7 +8,7 @@ bodies (vLLM v0.11.0, ``vllm/entrypoints/openai/api_server.py`` and
 * ``POST /detokenize``: ``{"tokens"}`` to ``{"prompt": text}``;
 * ``GET /version``: ``{"version": <this package's version>}``;
 * ``GET /v1/models/{model_id}``: the card ``/v1/models`` lists for that name, or 404
-  ``model_not_found`` (OpenAI's retrieve-model route; vLLM v0.11.0 does not serve it).
+  ``model_not_found`` (OpenAI's retrieve-model route, ``client.models.retrieve``).
 
 ``/ping`` (vLLM's SageMaker alias of ``/health``) is wired next to ``/health`` in the app.
 Like vLLM, neither tokenizer route counts the request or runs the engine; unlike vLLM, both need
