@@ -9,8 +9,8 @@ import json
 
 import httpx
 import pytest
-from fake_llm_engine import FakeTokenizer
-from http_server_utils import fake_server, get_json, metric_samples
+from fake_llm_engine import FakeEngine, FakeTokenizer
+from http_server_utils import fake_server, get_json, metric_samples, serve_in_thread
 
 import fastdeploy
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
@@ -51,6 +51,21 @@ def test_ping_answers_what_health_answers_for_get_and_post(server):
             == (health.status_code, health.json())
             == (200, {"status": "ok"})
         )
+
+
+def test_ping_is_503_with_health_when_the_engine_loop_stopped():
+    engine = FakeEngine()
+    with serve_in_thread(engine, MODEL) as (url, _):
+        engine.fail_next_step = True
+        r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        health = httpx.get(url + "/health", timeout=5)
+        assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
+        for method in ("GET", "POST"):
+            r = httpx.request(method, url + "/ping", timeout=5)
+            assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
+        # The tokenizer routes need no engine loop (as vLLM's).
+        assert post(url, "/tokenize", {"prompt": "ab"}).json()["tokens"] == [97, 98]
 
 
 def test_tokenize_text(server):
