@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from fastdeploy import envs as _envs
 from fastdeploy.core import cpu_threads as _cpu_threads
+from fastdeploy.core.version import __version__
 
 # Before anything of fastdeploy imports torch: its OpenMP pool reads the wait policy once.
 _cpu_threads.set_engine_thread_env()
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 _envs.apply_log_level()

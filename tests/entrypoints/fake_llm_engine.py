@@ -42,10 +42,14 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tokenize=False, greeting=None
+    ):
+        """``greeting``: a template variable (``chat_template_kwargs``), written first."""
         if any(m["role"] == "assistant" and m["content"] == "BOOM" for m in messages):
             raise ValueError("template exploded")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text = (f"{greeting}\n" if greeting is not None else "") + text
         return text + ("assistant:" if add_generation_prompt else "")
 
 

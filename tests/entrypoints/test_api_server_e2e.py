@@ -132,6 +132,40 @@ def test_chat_answers_paris(client):
     assert "Paris" in resp.choices[0].message.content
 
 
+def test_tokenize_counts_the_chat_prompt_and_detokenize_round_trips(server, client, tokenizer):
+    """``/tokenize`` of a conversation is the prompt the chat endpoint counts; ``/detokenize``
+    gives back the text ``/tokenize`` took, the chat template's text for a conversation."""
+    messages = FRANCE + [
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "Sure? ½ 東京"},
+    ]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    tokens = r.json()
+    assert tokens["count"] == chat(client, messages, max_tokens=1).usage.prompt_tokens
+    assert (
+        tokens["count"] == len(tokens["tokens"]) > 20 and tokens["max_model_len"] == MAX_MODEL_LEN
+    )
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=30)
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert back.json() == {"prompt": want}
+    text = "Tokenize me: naïve café, 42 émojis 🙂 and\ttabs."
+    r = httpx.post(
+        server.url + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=30
+    )
+    ids = r.json()["tokens"]
+    assert ids == tokenizer.encode(text) and len(r.json()["token_strs"]) == len(ids)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30)
+    assert back.json() == {"prompt": text}
+    vocab = len(tokenizer)
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, vocab]}, timeout=30)
+    assert r.status_code == 400
+    assert (
+        f"tokens[1]={vocab} is outside the vocabulary; allowed: token ids in 0..{vocab - 1}"
+        in r.text
+    )
+
+
 def test_stream_equals_non_stream_and_usage_matches_tokenizer(client, tokenizer):
     extra = {"ignore_eos": True}
     full = chat(client, FRANCE, max_tokens=12, extra_body=extra)

@@ -1,9 +1,11 @@
 """The FastAPI app of the OpenAI-compatible server, and the uvicorn server that runs it.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (503 when the engine loop stopped, or stalled: ``--engine-stall-timeout``),
-``GET /metrics`` (Prometheus), ``GET /v1/server_info`` (resolved config, deployment
-plan, live engine stats).
+``GET /health`` (503 when the engine loop stopped, or stalled: ``--engine-stall-timeout``) and
+its alias ``GET|POST /ping`` (vLLM's), ``GET /metrics`` (Prometheus), ``GET /v1/server_info``
+(resolved config, deployment plan, live engine stats), and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``GET /v1/models/{model_id}``
+(:mod:`~fastdeploy.entrypoints.openai.serving_tokenization`).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, wrong types, unknown fields and bad values (naming the field in ``param``), 400
@@ -47,12 +49,12 @@ from fastdeploy.entrypoints.openai.limits import HTTPLimits, RequestLimitsMiddle
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
     ModelList,
     dump,
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.entrypoints.openai.serving_tokenization import add_fleet_routes, model_card
 from fastdeploy.entrypoints.server_args import DEFAULT_SERVED_MODEL_NAME
 
 logger = logging.getLogger("fastdeploy.api_server")
@@ -74,8 +76,8 @@ def build_app(
     (``/v1/server_info``). ``limits``: the header count, body size and body read timeout
     (:class:`RequestLimitsMiddleware`; the header size and header read timeout are the uvicorn
     protocol's, :meth:`HTTPLimits.uvicorn_kwargs`); defaults when None. ``stop_limits``: the
-    caps on ``stop`` and ``stop_token_ids``. ``api_keys``: when any, every route but ``/health``
-    and ``/metrics`` needs one (:class:`APIKeyMiddleware`)."""
+    caps on ``stop`` and ``stop_token_ids``. ``api_keys``: when any, every route but
+    :data:`~fastdeploy.entrypoints.openai.auth.OPEN_PATHS` needs one (:class:`APIKeyMiddleware`)."""
     limits = limits or HTTPLimits()
     stop_limits = stop_limits or StopLimits()
 
@@ -148,6 +150,7 @@ def build_app(
         return APIError(500, f"internal error: {exc!r}", "internal_error").response()
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's SageMaker alias of /health
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -158,10 +161,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(
-            id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len
-        )
-        return JSONResponse(dump(ModelList(data=[card])))
+        return JSONResponse(dump(ModelList(data=[model_card(engine, served_model_name)])))
+
+    add_fleet_routes(app, chat)  # /tokenize, /detokenize, /version, /v1/models/{model_id}
 
     stop_limits_dict = {k: v for k, v in dataclasses.asdict(stop_limits).items() if k != "flags"}
 

@@ -2,9 +2,10 @@
 
 Keys come from ``--api-key`` (one or more; any of them is accepted, as vLLM accepts a list), else
 the environment: ``FD_API_KEY``, else ``VLLM_API_KEY`` (vLLM's variable, so a vLLM deployment's
-environment carries over). Every path is guarded except ``/health`` and ``/metrics``, which stay
-open as vLLM's do (load balancers and Prometheus poll them); so every ``/v1`` route, with
-``/v1/server_info``, needs the key. A request without it, or with another, gets a 401 with an
+environment carries over). Every path is guarded except :data:`OPEN_PATHS` (``/health``,
+``/ping``, ``/version``, ``/metrics``), which stay open as vLLM's do (load balancers, fleet probes
+and Prometheus poll them); so every ``/v1`` route, with ``/v1/server_info``, and ``/tokenize`` and
+``/detokenize`` need the key. A request without it, or with another, gets a 401 with an
 OpenAI-style body (``code: invalid_api_key``), is counted as ``unauthorized`` in
 ``fastdeploy:request_rejected_total``, and its body is never read. Keys are compared in constant
 time (:func:`hmac.compare_digest`, against every key) and never logged or printed
@@ -18,8 +19,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-#: Paths served without a key (vLLM's choice: health checks and Prometheus scrapes).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: Paths served without a key: health checks (``/health`` and its alias ``/ping``), the version
+#: probe and Prometheus scrapes. vLLM (v0.11.0, ``AuthenticationMiddleware`` in
+#: vllm/entrypoints/openai/api_server.py) guards only paths under ``/v1``, so these are open
+#: there too; its ``/tokenize`` and ``/detokenize`` are open as well, which here need the key
+#: (they run the tokenizer, up to seconds of CPU per request, for whoever calls).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 #: Environment variables read, in order, when no ``--api-key`` is given.
 API_KEY_ENV = ("FD_API_KEY", "VLLM_API_KEY")
 

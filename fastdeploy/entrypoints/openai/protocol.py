@@ -534,3 +534,99 @@ def usage_of(
 def dump(model: BaseModel) -> dict[str, Any]:
     """JSON-able dict of a response model."""
     return model.model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------ tokenizer endpoints
+# vLLM's bodies of ``POST /tokenize`` and ``POST /detokenize`` (vLLM v0.11.0,
+# vllm/entrypoints/openai/protocol.py: TokenizeCompletionRequest, TokenizeChatRequest,
+# TokenizeResponse, DetokenizeRequest, DetokenizeResponse); fields vLLM has for multimodal
+# inputs, tools and custom templates (``mm_processor_kwargs``, ``tools``, ``chat_template``) are
+# unknown fields here, refused as such.
+class TokenizeCompletionRequest(StrictModel):
+    """``/tokenize`` of a text. ``add_special_tokens`` (default true, as vLLM): the tokenizer's
+    own additions (a BOS token, for models that have one)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+#: Parameters of transformers' ``apply_chat_template`` itself, which ``chat_template_kwargs``
+#: (template variables) may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class TokenizeChatRequest(StrictModel):
+    """``/tokenize`` of a conversation, rendered by the chat template exactly as
+    ``/v1/chat/completions`` renders it. ``add_special_tokens`` defaults to false (the template
+    writes them). ``continue_final_message`` is accepted only as false, as on the chat endpoint.
+    ``chat_template_kwargs`` are passed to the template (``enable_thinking`` and co)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _openai_message_rules(cls, v: Any) -> Any:
+        check_chat_messages(v)
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, taken))}; allowed: "
+                "variables of the chat template (the request's own fields set the others)"
+            )
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _neutral(cls, v: bool) -> bool:
+        if v is not False:
+            raise ValueError("continue_final_message=true is not supported; allowed: false")
+        return v
+
+
+class TokenizeResponse(OpenAIModel):
+    """``count`` = ``len(tokens)``; ``token_strs`` (the vocabulary entries) only when asked."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str

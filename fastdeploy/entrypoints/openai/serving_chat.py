@@ -17,6 +17,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     dump,
     usage_of,
@@ -44,26 +45,45 @@ class OpenAIServingChat(OpenAIServing):
     """Handles chat completions for one served model."""
 
     def render_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """Apply the tokenizer's chat template; returns ``(prompt text, prompt token ids)``.
+        """Apply the tokenizer's chat template to ``req.messages``; returns ``(prompt text,
+        prompt token ids)`` (:meth:`render_messages`).
 
-        The template already writes the special tokens (``<|im_start|>`` ...), so the text is
-        encoded without adding more.
+        Raises:
+            APIError: 400 when the template rejects the conversation, or without a tokenizer.
+        """
+        return self.render_messages(req.messages, req.add_generation_prompt)
+
+    def render_messages(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        add_special_tokens: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The one rendering of a conversation, for ``/v1/chat/completions`` and ``/tokenize``:
+        the tokenizer's chat template (``developer`` messages as ``system``), then the text's
+        token ids. The template already writes the special tokens (``<|im_start|>`` ...), so
+        by default the text is encoded without adding more. ``chat_template_kwargs`` go to the
+        template as extra variables.
 
         Raises:
             APIError: 400 when the template rejects the conversation, or without a tokenizer.
         """
         self.require_tokenizer("chat completions (the chat template)", "messages")
-        messages = [
+        conversation = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
+            for m in messages
         ]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
             )
         except Exception as e:  # noqa: BLE001 - a template error is the client's conversation
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        return text, self.encode(text, "messages", add_special_tokens=False)
+        return text, self.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> Response:
         """Run one chat completion.
