@@ -109,6 +109,10 @@ class KVCacheManager:
         self._num_offered_blocks: dict[str, int] = {}
         # Blocks that entered the prefix cache since take_newly_cached() (None: not recorded).
         self._newly_cached: list[NewlyCached] | None = None
+        # Prefix-cache lookups, in tokens (vLLM's PrefixCacheStats queries/hits): the tokens of
+        # every request looked up at admission, and the tokens found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # KV-cache events since take_events() (None: not recorded).
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
@@ -240,6 +244,8 @@ class KVCacheManager:
         request.block_ids = hits
         self._num_offered_blocks[request.request_id] = len(hits)
         num_cached = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         return num_cached

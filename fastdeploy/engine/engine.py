@@ -514,9 +514,12 @@ class LLMEngine:
 
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode,
-        ``num_preemptions`` (cumulative); with a host KV tier also ``host_cache_hit_tokens``,
-        ``swap_in_bytes``, ``swap_in_seconds``, ``host_store_bytes`` (cumulative),
-        ``host_pending_stores`` (blocks), ``host_cache_usage`` (0..1) and ``num_host_blocks``."""
+        ``num_preemptions``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens looked up
+        in and found in the prefix cache at admission; all cumulative), ``block_size`` (tokens)
+        and ``num_gpu_blocks`` (the pool, null block included); with a host KV tier also
+        ``host_cache_hit_tokens``, ``swap_in_bytes``, ``swap_in_seconds``, ``host_store_bytes``
+        (cumulative), ``host_pending_stores`` (blocks), ``host_cache_usage`` (0..1) and
+        ``num_host_blocks``."""
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
@@ -526,6 +529,10 @@ class LLMEngine:
             "kv_cache_usage": self.kv_cache_manager.usage,
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_total_blocks": self.kv_cache_manager.num_usable_blocks,
+            "num_gpu_blocks": self.kv_cache_manager.num_blocks,
+            "block_size": self.kv_cache_manager.block_size,
+            "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits,
             **self.worker.get_stats(),  # steps_by_mode, num_padded_tokens
         }
         if self.pd is not None:

@@ -54,6 +54,7 @@ def serve(
     metrics = ServerMetrics(
         multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR") if count > 1 else None,
         engine_stats=index == 0,
+        model_name=served_name(args),
     )
     engine = AsyncLLMEngine(
         core,

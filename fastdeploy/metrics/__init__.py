@@ -11,15 +11,23 @@ Latencies are in seconds. The engine-side numbers (running/waiting requests, KV 
 by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and stores) come from
 ``LLMEngine.get_stats()`` snapshots; the engine reports counts cumulatively, so
 :meth:`ServerMetrics.observe_stats` adds the difference to the Prometheus counters.
+
+:meth:`ServerMetrics.render` also exports vLLM's names for the series that fleet layers read
+(``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ...): they are copies made from the
+table in :mod:`fastdeploy.metrics.vllm_names`.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from fastdeploy.metrics.vllm_names import vllm_families
 
 GRAPH_MODES = ("full", "piecewise", "eager")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -43,6 +51,12 @@ REJECT_REASONS = (
     "stop_limit",
     "unauthorized",
 )
+
+#: Labels of ``fastdeploy:cache_config_info`` (vLLM's ``vllm:cache_config_info`` labels, the
+#: ones we know): tokens per block, and the device and host pools' blocks (null block included).
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
+#: Labels of ``fastdeploy:lora_requests_info``, vLLM's (we serve no LoRA adapters: "0", "", "").
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
 #: How the engine's gauges combine over several API server processes (``--api-server-count``,
 #: Prometheus multiprocess mode): only the primary process sets them, the others leave them 0.
@@ -112,6 +126,15 @@ METRICS: tuple[MetricSpec, ...] = (
       "KV cache usage, 0..1 (1 = all blocks used)."),
     M("free_blocks", Gauge, "fastdeploy:num_free_kv_blocks", "Free KV cache blocks."),
     M("total_blocks", Gauge, "fastdeploy:num_total_kv_blocks", "KV cache blocks in the pool."),
+    M("cache_config_info", Gauge, "fastdeploy:cache_config_info",
+      "KV cache configuration as labels; value 1.", CACHE_CONFIG_LABELS),
+    M("lora_requests_info", Gauge, "fastdeploy:lora_requests_info",
+      "LoRA adapters running and waiting (none are served); value: the time of the last "
+      "update (s since the epoch).", LORA_INFO_LABELS),
+    M("prefix_cache_queries", Counter, "fastdeploy:prefix_cache_queries",
+      "Prompt tokens looked up in the prefix cache at admission."),
+    M("prefix_cache_hits", Counter, "fastdeploy:prefix_cache_hits",
+      "Prompt tokens found in the prefix cache at admission."),
     M("prompt_tokens", Counter, "fastdeploy:prompt_tokens", "Prompt tokens prefilled."),
     M("generation_tokens", Counter, "fastdeploy:generation_tokens", "Tokens generated."),
     M("ttft", Histogram, "fastdeploy:time_to_first_token_seconds", "Time to first token (s).",
@@ -196,6 +219,7 @@ class ServerMetrics:
         multiprocess_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of the server's processes, or None.
         engine_stats: whether :meth:`observe_stats` records (False in the non-primary API
             server processes).
+        model_name: the served model name, vLLM's ``model_name`` label on the ``vllm:`` series.
 
     Raises:
         RuntimeError: ``multiprocess_dir`` given, but prometheus_client was imported without
@@ -207,6 +231,7 @@ class ServerMetrics:
         registry: CollectorRegistry | None = None,
         multiprocess_dir: str | None = None,
         engine_stats: bool = True,
+        model_name: str = "",
     ) -> None:
         if multiprocess_dir is not None:
             from prometheus_client import values
@@ -217,6 +242,7 @@ class ServerMetrics:
                     "set it before the server starts"
                 )
         self.multiprocess_dir = multiprocess_dir
+        self.model_name = model_name
         self.engine_stats = engine_stats
         self.registry = registry if registry is not None else CollectorRegistry()
         for spec in METRICS:
@@ -224,6 +250,7 @@ class ServerMetrics:
         self._last_totals: dict[str, float] = {}
         self._last_steps: dict[str, int] = {}
         self._last_padded = 0
+        self._cache_config: tuple[str, ...] | None = None
 
     def observe_stats(self, stats: dict) -> None:
         """Update gauges and counters from one ``LLMEngine.get_stats()`` snapshot.
@@ -250,6 +277,10 @@ class ServerMetrics:
             self._last_steps[mode] = count
         if "num_preemptions" in stats:
             self._inc_to("num_preemptions", self.preemptions, stats["num_preemptions"])
+        if "prefix_cache_queries" in stats:
+            self._inc_to("prefix_queries", self.prefix_cache_queries, stats["prefix_cache_queries"])
+            self._inc_to("prefix_hits", self.prefix_cache_hits, stats["prefix_cache_hits"])
+        self._observe_info(stats)
         if "num_waiting_for_remote_kv" in stats:
             self.num_waiting_for_remote_kv.set(stats["num_waiting_for_remote_kv"])
         pd = stats.get("pd")
@@ -261,6 +292,23 @@ class ServerMetrics:
             if padded > self._last_padded:
                 self.padded_tokens.inc(padded - self._last_padded)
             self._last_padded = padded
+
+    def _observe_info(self, stats: dict) -> None:
+        """The two info series: the cache configuration (labels, value 1; a changed pool
+        replaces the old series) and the LoRA adapters (none; value: now)."""
+        if "num_gpu_blocks" in stats:
+            host = stats.get("num_host_blocks")
+            labels = (
+                str(stats["block_size"]),
+                str(stats["num_gpu_blocks"]),
+                str(int(host) if host is not None else 0),
+            )
+            if labels != self._cache_config:
+                if self._cache_config is not None:
+                    self.cache_config_info.remove(*self._cache_config)
+                self.cache_config_info.labels(*labels).set(1)
+                self._cache_config = labels
+        self.lora_requests_info.labels("0", "", "").set(time.time())
 
     def _inc_to(self, key: str, counter: Any, total: float) -> None:
         """Advance ``counter`` to a cumulative ``total`` reported by the engine."""
@@ -342,14 +390,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (with ``multiprocess_dir``: every process's
-        values, combined)."""
+        values, combined), followed by the ``vllm:`` copies of the mapped series
+        (:func:`~fastdeploy.metrics.vllm_names.vllm_families`)."""
         if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        from prometheus_client import multiprocess
+            families = list(self.registry.collect())
+        else:
+            from prometheus_client import multiprocess
 
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
-        return generate_latest(registry)
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+            families = list(registry.collect())
+        families += vllm_families(families, self.model_name)
+        return generate_latest(_Families(families))
+
+
+class _Families:
+    """Collected metric families, in the shape :func:`generate_latest` reads (``collect()``)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 class StepTokens:
