@@ -105,7 +105,11 @@ class FastDeployEngine(LLMEngine):
     async def from_args(cls, argv: list[str] | None = None) -> tuple[FastDeployEngine, WorkerConfig]:
         """Parse ``argv`` (``sys.argv[1:]`` when None); the engine (not started) and Dynamo's
         worker config (endpoint, discovery, planes; token input, chat and completions)."""
-        args = make_worker_parser().parse_args(argv)
+        return cls.from_parsed(make_worker_parser().parse_args(argv))
+
+    @classmethod
+    def from_parsed(cls, args: argparse.Namespace) -> tuple[FastDeployEngine, WorkerConfig]:
+        """:meth:`from_args` for an already parsed command line."""
         namespace, component, endpoint = parse_endpoint(args.endpoint)
         engine = cls(args)
         config = WorkerConfig(
@@ -259,15 +263,22 @@ class FastDeployEngine(LLMEngine):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m fastdeploy.integrations.dynamo``: run the worker until SIGTERM
-    or SIGINT (Dynamo's ``Worker`` drains, then calls ``cleanup``); returns the exit status (2
-    for a bad flag, model or plan, with one ``error: ...`` line)."""
+    """Entry point of ``python -m fastdeploy.integrations.dynamo``: parse ``argv``
+    (``sys.argv[1:]`` when None) and :func:`run_worker`."""
+    return run_worker(make_worker_parser().parse_args(argv))
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Run the worker of ``args`` (:func:`~.args.make_worker_parser`) until SIGTERM or SIGINT
+    (Dynamo's ``Worker`` drains, then calls ``cleanup``); returns the exit status: 0, or 2 for
+    a bad flag, model or plan (one ``error: ...`` line, before the model loads). Also
+    ``fastdeploy dynamo-worker``."""
     import sys
 
     from dynamo.common.backend.run import run
 
     try:
-        engine_and_config = asyncio.run(_parse(argv))
+        engine_and_config = FastDeployEngine.from_parsed(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -275,9 +286,5 @@ def main(argv: list[str] | None = None) -> int:
     async def factory(_argv: list[str] | None) -> tuple[FastDeployEngine, WorkerConfig]:
         return engine_and_config
 
-    run(FastDeployEngine, argv, engine_factory=factory)
+    run(FastDeployEngine, None, engine_factory=factory)
     return 0
-
-
-async def _parse(argv: list[str] | None) -> tuple[FastDeployEngine, WorkerConfig]:
-    return await FastDeployEngine.from_args(argv)
