@@ -78,8 +78,9 @@ class Proc:
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                 f"{self.log()[-4000:]}")  # fmt: skip
+            raise AssertionError(
+                f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+            )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -103,38 +104,80 @@ class Cluster:
             "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_port}",
             "NATS_SERVER": f"nats://127.0.0.1:{nats_port}",
             "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",  # drain at once on SIGTERM
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                           os.environ.get("PYTHONPATH", "")]),  # fmt: skip
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+            ),
         }
-        self.start("etcd", ["etcd", "--data-dir", str(tmp / "etcd"),
-                            "--listen-client-urls", self.env["ETCD_ENDPOINTS"],
-                            "--advertise-client-urls", self.env["ETCD_ENDPOINTS"],
-                            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"])  # fmt: skip
-        self.start("nats", ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port),
-                            "-sd", str(tmp / "jetstream")])  # fmt: skip
+        self.start(
+            "etcd",
+            [
+                "etcd",
+                "--data-dir",
+                str(tmp / "etcd"),
+                "--listen-client-urls",
+                self.env["ETCD_ENDPOINTS"],
+                "--advertise-client-urls",
+                self.env["ETCD_ENDPOINTS"],
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer_port}",
+            ],
+        )
+        self.start(
+            "nats",
+            [
+                "nats-server",
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(nats_port),
+                "-sd",
+                str(tmp / "jetstream"),
+            ],
+        )
         self.http_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.frontend = self.start(
             "frontend",
-            [sys.executable, "-m", "dynamo.frontend", "--router-mode", "kv", "--http-host",
-             "127.0.0.1", "--http-port", str(self.http_port), "--event-plane", "nats"],
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "dynamo.frontend",
+                "--router-mode",
+                "kv",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(self.http_port),
+                "--event-plane",
+                "nats",
+            ],
+            DYN_LOG="info,dynamo_llm::kv_router::routing_host=debug",  # its routing decisions
+        )
         # One through the module, one through the CLI subcommand: the same worker.
-        launchers = (["-m", "fastdeploy.integrations.dynamo"],
-                     ["-m", "fastdeploy.entrypoints.cli.main", "dynamo-worker"])  # fmt: skip
+        launchers = (
+            ["-m", "fastdeploy.integrations.dynamo"],
+            ["-m", "fastdeploy.entrypoints.cli.main", "dynamo-worker"],
+        )
         self.workers = [
-            self.start(f"worker{i}", [sys.executable, *launcher, "--event-plane", "nats",
-                                      *WORKER_FLAGS])  # fmt: skip
+            self.start(
+                f"worker{i}", [sys.executable, *launcher, "--event-plane", "nats", *WORKER_FLAGS]
+            )
             for i, launcher in enumerate(launchers)
         ]
-        wait_until(self.ready, STARTUP_TIMEOUT_S, "the frontend to list the model and both "
-                   "workers to serve")  # fmt: skip
+        wait_until(
+            self.ready,
+            STARTUP_TIMEOUT_S,
+            "the frontend to list the model and both workers to serve",
+        )
         self.ids = {w.name: self.worker_id(w) for w in self.workers}
 
-    def start(self, name: str, argv: list[str]) -> Proc:
-        proc = Proc(name, argv, self.tmp / f"{name}.log", self.env)
+    def start(self, name: str, argv: list[str], **env: str) -> Proc:
+        proc = Proc(name, argv, self.tmp / f"{name}.log", {**self.env, **env})
         self.procs.append(proc)
         return proc
 
@@ -159,8 +202,12 @@ class Cluster:
     def chat(self, content: str, max_tokens: int = 16) -> dict:
         r = httpx.post(
             self.url + "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": content}],
-                  "max_tokens": max_tokens, "temperature": 0},  # fmt: skip
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
             timeout=120,
         )
         assert r.status_code == 200, r.text
@@ -177,13 +224,20 @@ class Cluster:
                 return w.name, int(found.group(1))
         raise AssertionError(f"no worker logged request {uuid}")
 
-    def router_choice(self, request_id: str) -> str:
-        """The worker Dynamo's KV router selected for ``request_id`` (its log line)."""
+    def router_choice(self, request_id: str) -> tuple[str, int, int]:
+        """``(worker name, overlap blocks, prompt blocks)``: the worker Dynamo's KV router chose
+        for ``request_id`` and the prefix blocks it knew that worker holds (from our KV events),
+        from its debug line ``[ROUTING] Best: worker_<id> dp_rank=0 with N/M blocks overlap
+        request_id=<id>``."""
         uuid = request_id.removeprefix("chatcmpl-")
-        found = re.search(rf'Selected worker router_mode="kv" request_id="{uuid}" worker_id=(\d+)',
-                          self.frontend.log())  # fmt: skip
+        found = re.search(
+            rf"\[ROUTING\] Best: worker_(\d+) dp_rank=\d+ with (\d+)/(\d+) blocks "
+            rf"overlap request_id={uuid}",
+            self.frontend.log(),
+        )
         assert found, f"no routing decision for {uuid} in the frontend's log"
-        return {v: k for k, v in self.ids.items()}[found.group(1)]
+        name = {v: k for k, v in self.ids.items()}[found.group(1)]
+        return name, int(found.group(2)), int(found.group(3))
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -211,13 +265,19 @@ def test_greedy_chat_through_dynamo_equals_our_server(cluster, tmp_path):
     with serve(tmp_path, "--num-gpu-blocks-override", "64", "--max-model-len", "2048") as ours:
         r = httpx.post(
             ours.url + "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                  "max_tokens": 24, "temperature": 0},  # fmt: skip
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24,
+                "temperature": 0,
+            },
             timeout=120,
         )
     assert r.status_code == 200, r.text
     direct = r.json()
-    assert via_dynamo["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert (
+        via_dynamo["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    )
     assert via_dynamo["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
     assert via_dynamo["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"]
     assert via_dynamo["choices"][0]["finish_reason"] == direct["choices"][0]["finish_reason"]
@@ -231,20 +291,30 @@ def test_kv_router_sends_a_shared_prefix_to_the_worker_holding_it(cluster):
     time.sleep(1.0)  # the blocks' KV events reach the router
     for p in prefixes:
         holder, _ = cluster.served_by(first[p])
+        assert cluster.router_choice(first[p])[:2] == (holder, 0)  # nothing cached anywhere yet
         second = cluster.chat(p + " Count them.", max_tokens=2)["id"]
         worker, cached = cluster.served_by(second)
-        assert cluster.router_choice(second) == worker == holder
-        assert cached >= 8 * 64, f"{worker} served only {cached} cached prompt tokens"
+        chosen, overlap, blocks = cluster.router_choice(second)
+        assert chosen == worker == holder
+        # The router knew 8 of the 9 prompt blocks were on that worker (our BlockStored events;
+        # the 9th holds the differing question), and the worker's prefix cache served them.
+        assert (overlap, blocks) == (8, 9)
+        assert cached == 8 * 64, f"{worker} served {cached} cached prompt tokens"
 
 
 def test_cancelled_stream_is_aborted_in_the_worker(cluster):
     with httpx.stream(
         "POST",
         cluster.url + "/v1/chat/completions",
-        json={"model": MODEL, "stream": True, "max_tokens": 1000, "temperature": 0,
-              "messages": [{"role": "user", "content": "Write a long story about a fox."}]},
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 1000,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story about a fox."}],
+        },
         timeout=120,
-    ) as r:  # fmt: skip
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -274,7 +344,10 @@ def test_killing_one_worker_leaves_the_other_serving(cluster):
     for _ in range(3):
         reply = cluster.chat("What is 2 + 2?", max_tokens=8)
         assert cluster.served_by(reply["id"])[0] == survivor.name
-        assert reply["choices"][0]["message"]["content"] == answers[-1]["choices"][0]["message"]["content"]
+        assert (
+            reply["choices"][0]["message"]["content"]
+            == answers[-1]["choices"][0]["message"]["content"]
+        )
     # SIGTERM: Dynamo unregisters the worker, drains and calls cleanup; the engine process ends.
     survivor.proc.send_signal(signal.SIGTERM)
     assert survivor.proc.wait(60) == 0, survivor.log()[-3000:]

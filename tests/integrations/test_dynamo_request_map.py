@@ -16,11 +16,24 @@ def test_sampling_options_and_stop_conditions_map_to_ours():
     prompt, params = to_sampling_params(
         {
             "token_ids": [1, 2, 3],
-            "sampling_options": {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "seed": 7,
-                                 "presence_penalty": 0.5, "frequency_penalty": 0.25,
-                                 "repetition_penalty": 1.1, "n": 1, "min_p": None},  # fmt: skip
-            "stop_conditions": {"max_tokens": 12, "min_tokens": 2, "ignore_eos": True,
-                                "stop": ["END"], "stop_token_ids_hidden": [9, 4, 9]},  # fmt: skip
+            "sampling_options": {
+                "temperature": 0.0,
+                "top_p": 0.9,
+                "top_k": 5,
+                "seed": 7,
+                "presence_penalty": 0.5,
+                "frequency_penalty": 0.25,
+                "repetition_penalty": 1.1,
+                "n": 1,
+                "min_p": None,
+            },
+            "stop_conditions": {
+                "max_tokens": 12,
+                "min_tokens": 2,
+                "ignore_eos": True,
+                "stop": ["END"],
+                "stop_token_ids_hidden": [9, 4, 9],
+            },
             "output_options": {"logprobs": 3, "skip_special_tokens": False},
         },
         max_model_len=64,
@@ -46,8 +59,10 @@ def test_without_max_tokens_a_request_may_fill_the_context():
         ({"token_ids": [1], "sampling_options": {"n": 2}}, "n=2 is not supported"),
         ({"token_ids": [1], "sampling_options": {"use_beam_search": True}}, "use_beam_search"),
         ({"token_ids": [1], "sampling_options": {"min_p": 0.1}}, "min_p=0.1"),
-        ({"token_ids": [1], "sampling_options": {"guided_decoding": {"json": {}}}},
-         "guided_decoding"),  # fmt: skip
+        (
+            {"token_ids": [1], "sampling_options": {"guided_decoding": {"json": {}}}},
+            "guided_decoding",
+        ),
         ({"token_ids": [1], "output_options": {"prompt_logprobs": 1}}, "prompt_logprobs=1"),
         ({"token_ids": [1], "sampling_options": {"temperature": -1.0}}, "temperature"),
     ],
@@ -67,9 +82,11 @@ def test_chunks_carry_new_tokens_then_finish_reason_and_usage():
     last = to_chunk(_output([9], finished=True, reason="length", cached=2))
     assert last["token_ids"] == [9] and last["finish_reason"] == "length"
     assert last["completion_usage"] == {
-        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 2},
-    }  # fmt: skip
+    }
     assert to_chunk(_output([], finished=True, reason="abort"))["finish_reason"] == "cancelled"
     assert to_chunk(_output([], finished=True, reason="stop"))["finish_reason"] == "stop"
     assert error_chunk("boom") == {"token_ids": [], "index": 0, "finish_reason": "error: boom"}
@@ -79,10 +96,12 @@ def test_chunk_logprobs_in_dynamo_shape():
     lp = [{"token_id": 9, "logprob": -0.5, "top_logprobs": [(9, -0.5), (4, -1.5)]}]
     chunk = to_chunk(_output([9], logprobs=lp))
     assert chunk["log_probs"] == [-0.5]
-    assert chunk["top_logprobs"] == [[
-        {"rank": 1, "token_id": 9, "token": None, "logprob": -0.5},
-        {"rank": 2, "token_id": 4, "token": None, "logprob": -1.5},
-    ]]  # fmt: skip
+    assert chunk["top_logprobs"] == [
+        [
+            {"rank": 1, "token_id": 9, "token": None, "logprob": -0.5},
+            {"rank": 2, "token_id": 4, "token": None, "logprob": -1.5},
+        ]
+    ]
 
 
 def test_card_config_names_the_causal_lm_class():
@@ -95,8 +114,9 @@ def test_card_config_names_the_causal_lm_class():
 
 
 def test_worker_command_line():
-    args = make_worker_parser().parse_args(["--endpoint", "dyn://ns.comp.gen", "--event-plane",
-                                            "nats", "--no-dynamo-kv-events"])  # fmt: skip
+    args = make_worker_parser().parse_args(
+        ["--endpoint", "dyn://ns.comp.gen", "--event-plane", "nats", "--no-dynamo-kv-events"]
+    )
     assert parse_endpoint(args.endpoint) == ("ns", "comp", "gen")
     assert (args.discovery_backend, args.request_plane, args.event_plane) == ("etcd", "tcp", "nats")
     assert args.dynamo_kv_events is False

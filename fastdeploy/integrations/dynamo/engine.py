@@ -31,6 +31,11 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
+from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
+from dynamo.llm import ModelInput
+from dynamo.llm.exceptions import HttpError, InvalidArgument
+
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.entrypoints.engine_client.async_engine import (
     AsyncLLMEngine,
@@ -42,11 +47,6 @@ from fastdeploy.entrypoints.server_args import check_server_args, served_name
 from fastdeploy.integrations.dynamo.args import free_local_port, make_worker_parser, parse_endpoint
 from fastdeploy.integrations.dynamo.model_card import model_card_dir
 from fastdeploy.integrations.dynamo.request_map import error_chunk, to_chunk, to_sampling_params
-
-from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
-from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
-from dynamo.llm import ModelInput
-from dynamo.llm.exceptions import HttpError, InvalidArgument
 
 logger = logging.getLogger("fastdeploy.integrations.dynamo")
 
@@ -102,7 +102,9 @@ class FastDeployEngine(LLMEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    async def from_args(cls, argv: list[str] | None = None) -> tuple[FastDeployEngine, WorkerConfig]:
+    async def from_args(
+        cls, argv: list[str] | None = None
+    ) -> tuple[FastDeployEngine, WorkerConfig]:
         """Parse ``argv`` (``sys.argv[1:]`` when None); the engine (not started) and Dynamo's
         worker config (endpoint, discovery, planes; token input, chat and completions)."""
         return cls.from_parsed(make_worker_parser().parse_args(argv))
@@ -142,8 +144,11 @@ class FastDeployEngine(LLMEngine):
         sched, cache = self.config.scheduler_config, self.config.cache_config
         logger.info(
             "worker %s serves %s (block size %d, context %d)",
-            worker_id, served_name(self.args), cache.block_size, self.engine.max_model_len,
-        )  # fmt: skip
+            worker_id,
+            served_name(self.args),
+            cache.block_size,
+            self.engine.max_model_len,
+        )
         return EngineConfig(
             model=self.card_dir,
             served_model_name=served_name(self.args),
@@ -231,9 +236,12 @@ class FastDeployEngine(LLMEngine):
                     seq = output.outputs[0]
                     logger.info(
                         "request %s: %d prompt tokens, %d from the prefix cache, %d generated, %s",
-                        request_id, len(output.prompt_token_ids), output.num_cached_tokens,
-                        len(seq.token_ids), seq.finish_reason,
-                    )  # fmt: skip
+                        request_id,
+                        len(output.prompt_token_ids),
+                        output.num_cached_tokens,
+                        len(seq.token_ids),
+                        seq.finish_reason,
+                    )
         except EngineDeadError as e:
             yield error_chunk(str(e))
         finally:

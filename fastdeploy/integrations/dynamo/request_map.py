@@ -16,9 +16,14 @@ from fastdeploy.core.sampling_params import SamplingParams
 
 #: sampling_options keys copied as they are (the same name and meaning as ours and vLLM's).
 _SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
     "repetition_penalty",
-)  # fmt: skip
+)
 #: stop_conditions keys copied as they are.
 _STOP_KEYS = ("min_tokens", "ignore_eos")
 #: Our finish reasons -> Dynamo's (``abort`` is Dynamo's ``cancelled``; Dynamo 1.6
@@ -76,7 +81,9 @@ def to_sampling_params(request: dict, max_model_len: int) -> tuple[list[int], Sa
     if hidden:
         kwargs["stop_token_ids"] = sorted(set(hidden))
     max_tokens = stops.get("max_tokens")
-    kwargs["max_tokens"] = max_tokens if max_tokens is not None else max(1, max_model_len - len(token_ids))
+    kwargs["max_tokens"] = (
+        max_tokens if max_tokens is not None else max(1, max_model_len - len(token_ids))
+    )
     return token_ids, SamplingParams(**kwargs)
 
 
