@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +48,20 @@ MODEL = "SmolLM2-135M-Instruct"
 WORKER_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "2048"]
 STARTUP_TIMEOUT_S = 240
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def free_short_port() -> int:
+    """A free port of 127.0.0.1 below 32768: Dynamo 1.6 reads ``DYN_SYSTEM_PORT`` as an i16
+    ("invalid value unsigned int `55877`, expected i16 for key SYSTEM_PORT")."""
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port in 20000..32767")
 
 
 def left_in_group(pgid: int, timeout_s: float = 15) -> list[str]:
@@ -163,11 +180,16 @@ class Cluster:
             ["-m", "fastdeploy.integrations.dynamo"],
             ["-m", "fastdeploy.entrypoints.cli.main", "dynamo-worker"],
         )
+        # DYN_SYSTEM_PORT: each worker's Dynamo status server, whose /metrics shows the load
+        # snapshots we send (KV blocks in use, pool size).
+        self.system_ports = [free_short_port(), free_short_port()]
         self.workers = [
             self.start(
-                f"worker{i}", [sys.executable, *launcher, "--event-plane", "nats", *WORKER_FLAGS]
+                f"worker{i}",
+                [sys.executable, *launcher, "--event-plane", "nats", *WORKER_FLAGS],
+                DYN_SYSTEM_PORT=str(port),
             )
-            for i, launcher in enumerate(launchers)
+            for i, (launcher, port) in enumerate(zip(launchers, self.system_ports))
         ]
         wait_until(
             self.ready,
@@ -238,6 +260,18 @@ class Cluster:
         assert found, f"no routing decision for {uuid} in the frontend's log"
         name = {v: k for k, v in self.ids.items()}[found.group(1)]
         return name, int(found.group(2)), int(found.group(3))
+
+    def kv_usage(self, index: int) -> tuple[float, int]:
+        """``(KV cache usage 0..1, total KV blocks)`` of worker ``index`` as Dynamo reports it
+        (``dynamo_component_gpu_cache_usage_percent``, ``dynamo_component_total_blocks``: the
+        load snapshots our worker sends every 0.25 s)."""
+        text = httpx.get(f"http://127.0.0.1:{self.system_ports[index]}/metrics", timeout=5).text
+        values = {}
+        for name in ("gpu_cache_usage_percent", "total_blocks"):
+            found = re.search(rf"^dynamo_component_{name}{{[^}}]*}} (\S+)$", text, re.M)
+            assert found, f"no dynamo_component_{name} in worker {index}'s /metrics"
+            values[name] = float(found.group(1))
+        return values["gpu_cache_usage_percent"], int(values["total_blocks"])
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -316,13 +350,26 @@ def test_cancelled_stream_is_aborted_in_the_worker(cluster):
         timeout=120,
     ) as r:
         assert r.status_code == 200
+        # Read on until Dynamo shows one worker holding the request's blocks (from our load
+        # snapshots, every 0.25 s), then hang up mid-stream.
+        in_use = 0.0
+        deadline = time.monotonic() + 30
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                break  # one token seen: hang up
+                in_use = sum(cluster.kv_usage(i)[0] for i in range(2))
+                if in_use > 0 or time.monotonic() > deadline:
+                    break
+        assert in_use > 0, "no KV blocks in use while the request streamed"
     wait_until(
         lambda: any("aborted by Dynamo" in w.log() for w in cluster.workers),
         60,
         "a worker to abort the abandoned request",
+    )
+    # No KV block leaked: both pools are whole and empty again.
+    wait_until(
+        lambda: [cluster.kv_usage(i) for i in range(2)] == [(0.0, 63), (0.0, 63)],
+        10,
+        "every KV block free on both workers",
     )
     # The worker keeps serving after the abort.
     assert cluster.chat("Say hi.", max_tokens=4)["choices"][0]["message"]["content"]
@@ -348,8 +395,24 @@ def test_killing_one_worker_leaves_the_other_serving(cluster):
             reply["choices"][0]["message"]["content"]
             == answers[-1]["choices"][0]["message"]["content"]
         )
-    # SIGTERM: Dynamo unregisters the worker, drains and calls cleanup; the engine process ends.
+    # SIGTERM with a request in flight: Dynamo unregisters the worker and calls our cleanup,
+    # which lets the request finish before the engine stops; then the process exits 0.
+    in_flight: list[dict] = []
+    admitted = survivor.log().count("prompt tokens admitted")
+    thread = threading.Thread(
+        target=lambda: in_flight.append(cluster.chat("Write a long story about a fox.", 32))
+    )
+    thread.start()
+    wait_until(
+        lambda: survivor.log().count("prompt tokens admitted") > admitted,
+        30,
+        "the request to run on the survivor",
+    )
     survivor.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
     assert survivor.proc.wait(60) == 0, survivor.log()[-3000:]
-    assert "Endpoint unregistered from discovery" in survivor.log()
+    log = survivor.log()
+    assert "Endpoint unregistered from discovery" in log and "draining 1 requests" in log
+    assert in_flight and in_flight[0]["usage"]["completion_tokens"] > 0, in_flight
+    assert in_flight[0]["choices"][0]["finish_reason"] in ("length", "stop")
     assert not left_in_group(survivor.proc.pid)

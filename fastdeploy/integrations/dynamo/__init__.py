@@ -12,8 +12,9 @@ Start it with ``python -m fastdeploy.integrations.dynamo [engine flags]`` (the f
 * :mod:`.engine`: :class:`~.engine.FastDeployEngine`, an implementation of Dynamo's documented
   Python backend contract (``dynamo.common.backend.LLMEngine``, Dynamo 1.6
   ``components/src/dynamo/common/backend/README.md``): Dynamo's Rust ``Worker`` owns the runtime
-  (etcd discovery, TCP request plane, NATS event plane), model registration, cancellation
-  monitoring and the SIGTERM drain; we own start-up, generation, abort and clean-up, and name our
+  (etcd discovery, TCP request plane, NATS or ZMQ event plane), model registration,
+  cancellation monitoring and the SIGTERM sequence (unregister, grace period, our clean-up); we
+  own start-up, generation, abort, the drain and clean-up, the load snapshots, and name our
   KV-event ZMQ socket, which the ``Worker`` relays to the KV router.
 
 Nothing here is imported by the engine or the HTTP server; ``dynamo`` is imported only when the

@@ -8,7 +8,9 @@ distributed runtime (etcd discovery, TCP request plane, NATS event plane by defa
 the model (token in / token out) with what :meth:`FastDeployEngine.start` returns, serves the
 endpoint, watches each request's context (client gone, stop, kill: it calls
 :meth:`FastDeployEngine.abort` and stops reading the stream), and on SIGTERM/SIGINT unregisters
-from discovery, lets in-flight requests finish, then calls :meth:`FastDeployEngine.cleanup`. It
+from discovery, waits its grace period (``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``, 5 s) and
+calls :meth:`FastDeployEngine.cleanup`, which drains the requests in flight itself (Dynamo 1.6
+waits for none of an aggregated worker's: they failed with HTTP 500 before we drained). It
 subscribes to the ZMQ socket :meth:`FastDeployEngine.kv_event_sources` names (our vLLM-format
 KV-cache events: :mod:`fastdeploy.distributed.kv_event_publisher`) and relays them to the KV
 router.
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import logging
 import shutil
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -50,6 +53,8 @@ from fastdeploy.integrations.dynamo.request_map import error_chunk, to_chunk, to
 
 logger = logging.getLogger("fastdeploy.integrations.dynamo")
 
+#: Seconds between the checks of a drain (SIGTERM) for requests still in flight.
+DRAIN_POLL_S = 0.05
 #: Seconds between the load snapshots sent to Dynamo's router (KV blocks in use).
 LOAD_EVERY_S = 0.25
 
@@ -229,6 +234,7 @@ class FastDeployEngine(LLMEngine):
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         self._streams[request_id] = stream
+        logger.info("request %s: %d prompt tokens admitted", request_id, len(prompt))
         try:
             async for output in stream:
                 yield to_chunk(output)
@@ -257,14 +263,27 @@ class FastDeployEngine(LLMEngine):
             stream.close()
 
     async def cleanup(self) -> None:
-        """Stop the load task, shut the engine down (its process ends) and remove a written model
-        directory. Safe after a failed ``start`` and when called twice."""
+        """Drain, then stop: let the requests in flight finish for up to
+        ``--timeout-graceful-shutdown`` seconds (Dynamo 1.6's ``Worker`` calls this after
+        unregistering the worker and its grace period, while the responses can still be sent;
+        it does not wait for an aggregated worker's requests itself), abort the rest (their KV
+        blocks are freed), stop the load task, shut the engine down (its process ends) and
+        remove a written model directory. Safe after a failed ``start`` and when called twice."""
+        grace_s = float(self.args.timeout_graceful_shutdown)
+        if self.engine is not None and self.engine.num_in_flight:
+            logger.info("draining %d requests (up to %.0f s)", self.engine.num_in_flight, grace_s)
+            deadline = time.monotonic() + grace_s
+            while self.engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if self.engine.num_in_flight:
+                ended = self.engine.fail_in_flight("the worker is shutting down")
+                logger.warning("%d requests still running after %.0f s: aborted", ended, grace_s)
         if self._load_task is not None:
             self._load_task.cancel()
             self._load_task = None
         if self.engine is not None:
             engine, self.engine = self.engine, None
-            await engine.shutdown(timeout_s=float(self.args.timeout_graceful_shutdown))
+            await engine.shutdown(timeout_s=grace_s)
         if self._own_card:
             shutil.rmtree(self.card_dir, ignore_errors=True)
             self._own_card = False
