@@ -115,6 +115,13 @@ class Cluster:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, []
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()  # what started before the failure
+            raise
+
+    def _start_all(self) -> None:
         etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
         self.env = {
             **os.environ,
@@ -130,7 +137,7 @@ class Cluster:
             [
                 "etcd",
                 "--data-dir",
-                str(tmp / "etcd"),
+                str(self.tmp / "etcd"),
                 "--listen-client-urls",
                 self.env["ETCD_ENDPOINTS"],
                 "--advertise-client-urls",
@@ -153,7 +160,7 @@ class Cluster:
                 "-p",
                 str(nats_port),
                 "-sd",
-                str(tmp / "jetstream"),
+                str(self.tmp / "jetstream"),
             ],
         )
         self.http_port = free_port()
@@ -281,15 +288,12 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamo")
-    c = None
+    c = Cluster(tmp)  # stops what it started when it fails
     try:
-        c = Cluster(tmp)
         yield c
     finally:
-        groups = [p.proc.pid for p in (c.procs if c else [])]
-        if c is not None:
-            c.stop()
-        leftover = [p for g in groups for p in left_in_group(g)]
+        c.stop()
+        leftover = [p for g in (p.proc.pid for p in c.procs) for p in left_in_group(g)]
         assert not leftover, f"processes left: {leftover}"
 
 

@@ -123,3 +123,14 @@ def test_worker_command_line():
     assert make_worker_parser().parse_args([]).endpoint == "dyn://dynamo.backend.generate"
     with pytest.raises(ValueError, match="--endpoint='a.b' is invalid"):
         parse_endpoint("a.b")
+
+
+def test_without_dynamo_the_worker_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from fastdeploy.integrations.dynamo.launch import run_from_args
+
+    monkeypatch.setitem(sys.modules, "dynamo", None)  # import dynamo -> ImportError
+    monkeypatch.delitem(sys.modules, "fastdeploy.integrations.dynamo.engine", raising=False)
+    assert run_from_args(make_worker_parser().parse_args([])) == 2
+    assert "pip install --no-deps ai-dynamo==1.6.1" in capsys.readouterr().err

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdeploy.entrypoints.openai.api_server import run_server
     from fastdeploy.entrypoints.server_args import make_arg_parser
     from fastdeploy.integrations.dynamo.args import make_worker_parser
+    from fastdeploy.integrations.dynamo.launch import run_from_args
     from fastdeploy.router.cli import make_router_parser, run_router
 
     parser = argparse.ArgumentParser(prog="fastdeploy", description="FastDeploy-style LLM engine")
@@ -47,14 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "KV router (token in, token out); the same as python -m fastdeploy.integrations.dynamo.",
     )
     make_worker_parser(dynamo)
-    dynamo.set_defaults(func=_run_dynamo_worker)
+    dynamo.set_defaults(func=run_from_args)
     return parser
-
-
-def _run_dynamo_worker(args: argparse.Namespace) -> int:
-    from fastdeploy.integrations.dynamo.engine import run_worker  # imports dynamo
-
-    return run_worker(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ the chat template and routes; this worker generates tokens with our engine.
 Start it with ``python -m fastdeploy.integrations.dynamo [engine flags]`` (the flags of
 ``fastdeploy serve``, plus the Dynamo group: :mod:`.args`). The pieces:
 
-* :mod:`.args`: the command line (``fastdeploy serve``'s engine flags and Dynamo's).
+* :mod:`.args`: the command line (``fastdeploy serve``'s engine flags and Dynamo's);
+  :mod:`.launch`: start-up that names the package to install when Dynamo is missing.
 * :mod:`.model_card`: the HF-style directory (``config.json`` and tokenizer files) Dynamo's
   frontend reads; for a GGUF model it is written from the GGUF's config and tokenizer.
 * :mod:`.request_map`: Dynamo's token-in request to our ``SamplingParams`` and our outputs to

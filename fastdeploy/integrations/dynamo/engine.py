@@ -1,7 +1,7 @@
 """Our engine as a Dynamo 1.6 backend: :class:`FastDeployEngine` implements Dynamo's Python
 backend contract (``dynamo.common.backend.LLMEngine``: ``from_args``, ``start``, ``generate``,
-``abort``, ``cleanup``, ``kv_event_sources``), and :func:`main` hands it to Dynamo's ``Worker``
-(``dynamo.common.backend.run``).
+``abort``, ``cleanup``, ``kv_event_sources``), and :func:`run_worker` hands it to Dynamo's
+``Worker`` (``dynamo.common.backend.run``).
 
 What Dynamo's ``Worker`` does (Dynamo 1.6 ``common/backend/README.md``): it creates the
 distributed runtime (etcd discovery, TCP request plane, NATS event plane by default), registers
@@ -289,17 +289,12 @@ class FastDeployEngine(LLMEngine):
             self._own_card = False
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m fastdeploy.integrations.dynamo``: parse ``argv``
-    (``sys.argv[1:]`` when None) and :func:`run_worker`."""
-    return run_worker(make_worker_parser().parse_args(argv))
-
-
 def run_worker(args: argparse.Namespace) -> int:
     """Run the worker of ``args`` (:func:`~.args.make_worker_parser`) until SIGTERM or SIGINT
-    (Dynamo's ``Worker`` drains, then calls ``cleanup``); returns the exit status: 0, or 2 for
-    a bad flag, model or plan (one ``error: ...`` line, before the model loads). Also
-    ``fastdeploy dynamo-worker``."""
+    (Dynamo's ``Worker`` unregisters it, then calls ``cleanup``, which drains); returns the exit
+    status: 0, or 2 for a bad flag, model or plan (one ``error: ...`` line, before the model
+    loads). ``python -m fastdeploy.integrations.dynamo`` and ``fastdeploy dynamo-worker`` run it
+    (through :func:`~.launch.run_from_args`)."""
     import sys
 
     from dynamo.common.backend.run import run
