@@ -4,6 +4,8 @@ config, and the worker's command line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fastdeploy.entrypoints.engine_client.output_processor import CompletionOutput, RequestOutput
@@ -134,3 +136,24 @@ def test_without_dynamo_the_worker_says_what_to_install(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "fastdeploy.integrations.dynamo.engine", raising=False)
     assert run_from_args(make_worker_parser().parse_args([])) == 2
     assert "pip install --no-deps ai-dynamo==1.6.1" in capsys.readouterr().err
+
+
+def test_model_card_of_the_default_gguf(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from fastdeploy.integrations.dynamo.model_card import REQUIRED_FILES, model_card_dir
+    from fastdeploy.model_executor.model_loader.source import resolve_model
+
+    source = resolve_model(None)  # the default SmolLM2-135M-Instruct GGUF
+    card = model_card_dir(source, cache_dir=tmp_path)
+    assert all((tmp_path / card / f).is_file() for f in REQUIRED_FILES)
+    config = json.loads((tmp_path / card / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == source.hf_config.num_hidden_layers
+    text = "Hello, Dynamo! <|im_start|>user"
+    ours = source.load_tokenizer()
+    assert AutoTokenizer.from_pretrained(card)(text).input_ids == ours(text).input_ids
+    assert model_card_dir(source, cache_dir=tmp_path) == card  # written once, then reused
+    assert [p.name for p in tmp_path.iterdir()] == [Path(card).name]  # no temporary left

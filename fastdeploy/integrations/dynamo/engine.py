@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -99,7 +98,6 @@ class FastDeployEngine(LLMEngine):
             )
         source = self.config.model_source
         self.card_dir = model_card_dir(source)
-        self._own_card = self.card_dir != source.path
         self.engine: AsyncLLMEngine | None = None
         self._streams: dict[str, Any] = {}
         self._load_task: asyncio.Task | None = None
@@ -267,8 +265,8 @@ class FastDeployEngine(LLMEngine):
         ``--timeout-graceful-shutdown`` seconds (Dynamo 1.6's ``Worker`` calls this after
         unregistering the worker and its grace period, while the responses can still be sent;
         it does not wait for an aggregated worker's requests itself), abort the rest (their KV
-        blocks are freed), stop the load task, shut the engine down (its process ends) and
-        remove a written model directory. Safe after a failed ``start`` and when called twice."""
+        blocks are freed), stop the load task, and shut the engine down (its process ends).
+        Safe after a failed ``start`` and when called twice."""
         grace_s = float(self.args.timeout_graceful_shutdown)
         if self.engine is not None and self.engine.num_in_flight:
             logger.info("draining %d requests (up to %.0f s)", self.engine.num_in_flight, grace_s)
@@ -284,9 +282,6 @@ class FastDeployEngine(LLMEngine):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await engine.shutdown(timeout_s=grace_s)
-        if self._own_card:
-            shutil.rmtree(self.card_dir, ignore_errors=True)
-            self._own_card = False
 
 
 def run_worker(args: argparse.Namespace) -> int:
