@@ -66,3 +66,21 @@ def test_cli_flag_reaches_fdconfig_and_round_trips():
     assert FDConfig.from_dict(config.to_dict()) == config
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefix-caching-hash-algo", "md5"])
+
+
+def test_events_without_prefix_caching_warn_as_vllm_does(caplog):
+    import argparse
+
+    from fastdeploy.model_executor.model_loader.source import ModelSource
+
+    src = ModelSource("unused", None, "dummy", argparse.Namespace(max_position_embeddings=64), "x")
+    args = EngineArgs(
+        enable_prefix_caching=False, kv_events_config='{"enable_kv_cache_events": true}'
+    )
+    with caplog.at_level("WARNING"):
+        config = args.create_engine_config(src)
+    assert config.kv_events_config.enable_kv_cache_events
+    assert "prefix caching is off" in caplog.text
+    caplog.clear()
+    EngineArgs(kv_events_config='{"enable_kv_cache_events": true}').create_engine_config(src)
+    assert "prefix caching is off" not in caplog.text

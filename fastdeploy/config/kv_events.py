@@ -26,8 +26,8 @@ class KVEventsConfig:
         enable_kv_cache_events: collect ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
             events in the KV cache manager and publish them once per engine step.
         publisher: ``"zmq"`` (PUB socket plus optional ROUTER replay socket) or ``"null"``
-            (drops every batch). ``None`` (the default, as in newer vLLM) resolves to ``"zmq"``
-            when events are enabled, else ``"null"``.
+            (drops every batch). ``None`` (the default) resolves to ``"zmq"`` when events are
+            enabled, else ``"null"``, as newer vLLM does (some releases defaulted to ``"null"``).
         endpoint: the PUB socket's ZMQ address; one with ``*`` or ``::`` (or ``ipc://`` /
             ``inproc://``) is bound, any other is connected to.
         replay_endpoint: the ROUTER socket's address (always bound) where a subscriber asks for

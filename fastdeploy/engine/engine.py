@@ -145,6 +145,8 @@ class LLMEngine:
             self._start(config)
             freeze_startup_heap("engine", gc_freeze)  # full collections skip the start-up heap
         except BaseException:
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.shutdown()  # closes its sockets and thread
             self.worker.shutdown()  # a tensor-parallel worker also ends its rank processes
             raise
 

@@ -13,6 +13,7 @@ import pickle
 import random
 
 import pytest
+import zmq
 from kv_event_subscriber import DECODER, BlockRemoved, BlockStored, Subscriber, apply
 from tiny_models import tiny_llama
 
@@ -79,28 +80,32 @@ def start_engine(tiny_dir, sub: Subscriber, **kw) -> LLMEngine:
     return eng
 
 
-def workload(eng: LLMEngine, seed: int, n: int = 16) -> None:
+def workload(eng: LLMEngine, seed: int, n: int = 16) -> list[list[int]]:
     """Prompts over three shared prefixes, two or three at a time, stepped to the end (and
-    until host-tier copies settled)."""
+    until host-tier copies settled); returns each request's prompt + output tokens."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 500) for _ in range(rng.choice((20, 40, 64)))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=rng.randrange(4, 20), ignore_eos=True)
     i = 0
+    tokens: dict[str, list[int]] = {}
     while i < n:
         for _ in range(rng.choice((2, 3))):
             tail = [rng.randrange(3, 500) for _ in range(rng.randrange(0, 40))]
-            eng.add_request(f"r{seed}-{i}", rng.choice(prefixes) + tail, params)
+            tokens[f"r{seed}-{i}"] = rng.choice(prefixes) + tail
+            eng.add_request(f"r{seed}-{i}", tokens[f"r{seed}-{i}"], params)
             i += 1
         for _ in range(1000):
             if not (eng.has_unfinished_requests() or eng.has_background_work()):
                 break
-            eng.step()
+            for out in eng.step():
+                tokens[out.request_id] += out.new_token_ids
             eng.check_integrity()
         else:
             raise AssertionError("the workload did not finish")
+    return list(tokens.values())
 
 
-def router_first_blocks(token_ids: list[int]) -> list[int]:
+def router_chain(token_ids: list[int]) -> list[int]:
     """vLLM's chain from NONE_HASH = sha256(pickle(PYTHONHASHSEED)), as a router computes it."""
 
     def digest(obj) -> bytes:
@@ -142,7 +147,7 @@ def check_first_blocks(batches, medium: str) -> int:
     for b in batches:
         for e in b.events:
             if isinstance(e, BlockStored) and e.medium == medium and e.parent_block_hash is None:
-                assert e.block_hashes == router_first_blocks(e.token_ids)
+                assert e.block_hashes == router_chain(e.token_ids)
                 checked += 1
     return checked
 
@@ -151,7 +156,7 @@ def check_first_blocks(batches, medium: str) -> int:
 def test_subscriber_view_equals_device_cache(tiny_dir, sub, seed):
     eng = start_engine(tiny_dir, sub)
     try:
-        workload(eng, seed)
+        sequences = workload(eng, seed)
         batches = collect(eng, sub)
         view: dict[str, set[int]] = {}
         for b in batches:
@@ -163,14 +168,26 @@ def test_subscriber_view_equals_device_cache(tiny_dir, sub, seed):
         removed = [e for b in batches for e in b.events if isinstance(e, BlockRemoved)]
         assert removed, "the workload evicted nothing"
         assert check_first_blocks(batches, "GPU") > 0
+        # Every published hash, generated tokens' blocks included, is one a router computes
+        # from some request's prompt + output tokens.
+        routed = {h for seq in sequences for h in router_chain(seq)}
+        assert view["GPU"] <= routed
         # A reset clears the cache and tells the subscriber at once.
         assert eng.reset_prefix_cache()
         sub.drain()
         last = DECODER.decode(sub.received[max(sub.received)])
         assert [type(e).__name__ for e in last.events] == ["AllBlocksCleared"]
     finally:
+        replay_endpoint = eng.kv_event_publisher.last_replay_endpoint
         eng.shutdown()
     assert eng.kv_event_publisher is None
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(replay_endpoint)  # shutdown closed the publisher's sockets: the port is free
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_host_tier_events_carry_medium_cpu(tiny_dir, sub):
