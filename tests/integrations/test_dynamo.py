@@ -128,6 +128,7 @@ class Cluster:
             "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_port}",
             "NATS_SERVER": f"nats://127.0.0.1:{nats_port}",
             "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",  # drain at once on SIGTERM
+            "ETCD_LEASE_TTL": "6",  # Dynamo's etcd lease: a killed worker is dropped sooner
             "PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
             ),
