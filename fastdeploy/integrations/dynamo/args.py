@@ -8,7 +8,6 @@ HTTP limits are unused here) plus a ``dynamo`` group whose names and defaults ar
 from __future__ import annotations
 
 import argparse
-import socket
 
 from fastdeploy.entrypoints.server_args import make_arg_parser
 
@@ -55,8 +54,8 @@ def make_worker_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         "--no-dynamo-kv-events",
         dest="dynamo_kv_events",
         action="store_false",
-        help="publish no KV-cache events to Dynamo's KV router (default: published whenever "
-        "prefix caching is on; --kv-events-config, if given, names the ZMQ socket)",
+        help="publish no KV-cache events to Dynamo's KV router (default: published on an IPC "
+        "socket whenever prefix caching is on; --kv-events-config, if given, names the socket)",
     )
     return parser
 
@@ -73,10 +72,3 @@ def parse_endpoint(endpoint: str) -> tuple[str, str, str]:
             f"--endpoint={endpoint!r} is invalid; allowed: dyn://namespace.component.endpoint"
         )
     return parts[0], parts[1], parts[2]
-
-
-def free_local_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for the engine's KV-event PUB socket)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

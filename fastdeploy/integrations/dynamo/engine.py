@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -46,7 +47,7 @@ from fastdeploy.entrypoints.engine_client.async_engine import (
 )
 from fastdeploy.entrypoints.launch import place_engine
 from fastdeploy.entrypoints.server_args import check_server_args, served_name
-from fastdeploy.integrations.dynamo.args import free_local_port, make_worker_parser, parse_endpoint
+from fastdeploy.integrations.dynamo.args import make_worker_parser, parse_endpoint
 from fastdeploy.integrations.dynamo.model_card import model_card_dir
 from fastdeploy.integrations.dynamo.request_map import error_chunk, to_chunk, to_sampling_params
 
@@ -58,16 +59,21 @@ DRAIN_POLL_S = 0.05
 LOAD_EVERY_S = 0.25
 
 
-def kv_events_for_dynamo(args: argparse.Namespace) -> None:
+def kv_events_for_dynamo(args: argparse.Namespace) -> tempfile.TemporaryDirectory | None:
     """Turn our KV-cache events on for Dynamo's KV router unless the user chose: with prefix
-    caching on, no ``--kv-events-config`` and no ``--no-dynamo-kv-events``, publish them on a
-    free local port (vLLM's ZMQ publisher fields; the PUB socket binds ``tcp://*:PORT``)."""
-    if args.dynamo_kv_events and args.kv_events_config is None and args.enable_prefix_caching:
-        args.kv_events_config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{free_local_port()}",
-        }
+    caching on, no ``--kv-events-config`` and no ``--no-dynamo-kv-events``, publish them (vLLM's
+    ZMQ publisher fields) on an IPC socket in a new temporary directory, which is returned (the
+    caller removes it); local to this host and free of port races, as Dynamo's own TokenSpeed
+    backend does (Dynamo 1.6 ``tokenspeed/llm_engine.py``). None when nothing was set."""
+    if not (args.dynamo_kv_events and args.kv_events_config is None and args.enable_prefix_caching):
+        return None
+    directory = tempfile.TemporaryDirectory(prefix="fastdeploy-kv-events-")
+    args.kv_events_config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{directory.name}/kv-events",
+    }
+    return directory
 
 
 class FastDeployEngine(LLMEngine):
@@ -83,7 +89,7 @@ class FastDeployEngine(LLMEngine):
 
     def __init__(self, args: argparse.Namespace) -> None:
         check_server_args(args)
-        kv_events_for_dynamo(args)
+        self._events_dir = kv_events_for_dynamo(args)
         self.args = args
         engine_args = EngineArgs.from_cli_args(args)
         from fastdeploy.config.resolve import resolve_deployment
@@ -282,6 +288,9 @@ class FastDeployEngine(LLMEngine):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await engine.shutdown(timeout_s=grace_s)
+        if self._events_dir is not None:
+            self._events_dir.cleanup()
+            self._events_dir = None
 
 
 def run_worker(args: argparse.Namespace) -> int:
