@@ -196,6 +196,7 @@ class Cluster:
                 f"worker{i}",
                 [sys.executable, *launcher, "--event-plane", "nats", *WORKER_FLAGS],
                 DYN_SYSTEM_PORT=str(port),
+                TMPDIR=str(self.tmp),  # a killed worker's KV-event socket directory stays here
             )
             for i, (launcher, port) in enumerate(zip(launchers, self.system_ports))
         ]
