@@ -1,6 +1,7 @@
 """The import graph points one way: a lower folder of ``fastdeploy`` never imports a higher one.
 
-Layers, from the top (``docs/architecture.md`` in the shared docs): entrypoints -> engine ->
+Layers, from the top (``docs/architecture.md`` in the shared docs): entrypoints, integrations
+(launchers behind another serving layer) -> engine ->
 scheduler, worker -> model_executor, cache_manager -> distributed -> core, config, envs,
 platforms. Every
 ``import`` and ``from ... import`` in a module counts, lazy ones inside functions included.
@@ -31,6 +32,8 @@ RANKS = {
     "engine": 4,
     "entrypoints": 5,
     "router": 5,
+    # Launchers behind another serving layer (a Dynamo worker): start-up, like entrypoints.
+    "integrations": 5,
 }
 #: Modules ranked apart from their folder. ``config.resolve`` resolves a whole deployment (the
 #: model's config, the attention backends, the graph policy, flashinfer's comm module): it ranks

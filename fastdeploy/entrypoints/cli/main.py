@@ -5,6 +5,8 @@ Subcommands:
     ``python -m fastdeploy.entrypoints.openai.api_server`` (one parser builder,
     :func:`fastdeploy.entrypoints.server_args.make_arg_parser`; start-up in
     :mod:`fastdeploy.entrypoints.launch`).
+  * ``fastdeploy dynamo-worker [args]``: the engine as an NVIDIA Dynamo worker (``serve``'s
+    engine flags plus Dynamo's; :mod:`fastdeploy.integrations.dynamo`).
 
 Examples: ``fastdeploy serve --port 8000``, ``fastdeploy serve --print-config --device cuda``.
 """
@@ -19,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per subcommand."""
     from fastdeploy.entrypoints.openai.api_server import run_server
     from fastdeploy.entrypoints.server_args import make_arg_parser
+    from fastdeploy.integrations.dynamo.args import make_worker_parser
+    from fastdeploy.integrations.dynamo.launch import run_from_args
     from fastdeploy.router.cli import make_router_parser, run_router
 
     parser = argparse.ArgumentParser(prog="fastdeploy", description="FastDeploy-style LLM engine")
@@ -37,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make_router_parser(router)
     router.set_defaults(func=run_router)
+    dynamo = subparsers.add_parser(
+        "dynamo-worker",
+        help="run the engine as an NVIDIA Dynamo worker (needs ai-dynamo)",
+        description="Run the engine as an NVIDIA Dynamo worker behind Dynamo's frontend and "
+        "KV router (token in, token out); the same as python -m fastdeploy.integrations.dynamo.",
+    )
+    make_worker_parser(dynamo)
+    dynamo.set_defaults(func=run_from_args)
     return parser
 
 
