@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from fastdeploy.config import check, check_int, is_number, unknown_key_error
+from fastdeploy.core.structured_output import StructuredOutputsParams
 
 #: Most entries of ``logit_bias`` (OpenAI's API refuses more than 300).
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -128,6 +129,11 @@ class SamplingParams:
     * ``frequency_penalty`` in [-2, 2]: subtracted once per time the token appeared in the output;
       ``presence_penalty`` in [-2, 2]: subtracted once if it appeared at all (OpenAI's definition).
 
+    ``structured_outputs`` (vLLM's field, :class:`StructuredOutputsParams`): the output must match
+    a JSON schema, JSON, a regex, a choice or a grammar. Tokens the grammar does not allow are
+    masked out of every row's logits before the logits processing; when the grammar ends (its
+    end is reached with a stop token), the request finishes with ``stop``.
+
     Raises:
         ValueError: on a value out of range, naming the field, the value and what is allowed.
     """
@@ -149,8 +155,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "null or a StructuredOutputsParams",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         check(self.n == 1, "n", self.n, "1")

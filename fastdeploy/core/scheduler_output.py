@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdeploy.core.request import Request
 
@@ -51,11 +52,17 @@ class SchedulerOutput:
     ``finished_request_ids`` lists requests that left since the last step (finished, aborted), so
     the runner can drop per-request state; ``preempted`` lists requests preempted by recompute in
     this call (their blocks were freed and they will re-prefill).
+
+    ``grammar_bitmask``: int32 ``[num_sampling_rows, ceil(vocab / 32)]`` on the host, one row per
+    request that samples (in ``scheduled`` order), bit ``t`` set when token ``t`` is allowed;
+    None when no sampling request has a structured-output grammar (set by the engine at launch,
+    :mod:`fastdeploy.engine.structured_output`).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -47,12 +47,13 @@ from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.gc_heap import freeze_startup_heap, unfreeze_heap
 from fastdeploy.core.outputs import EngineOutput
-from fastdeploy.core.request import Request
+from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.pd_steps import PDSteps, engine_kv_layout
 from fastdeploy.engine.step_pipeline import StepPipeline
+from fastdeploy.engine.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
     from fastdeploy.config.plan import DeploymentPlan
@@ -197,8 +198,9 @@ class LLMEngine:
             self.config.scheduler_config, self.kv_cache_manager, self.max_model_len, self.host_tier
         )
         self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
+        self.grammars = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.pipeline = StepPipeline(
-            self.worker, self.scheduler, self.host_tier, self.overlap_schedule
+            self.worker, self.scheduler, self.host_tier, self.overlap_schedule, self.grammars
         )
         self.last_step_idle = False
         self.kv_layout = engine_kv_layout(
@@ -361,6 +363,7 @@ class LLMEngine:
         elif leg is not None:
             request.remote_prefill = leg
             self.pd_steps.expect_remote_kv(request_id)
+        self.grammars.add(request)  # raises on a spec that does not parse
         self.stop_checker.start(request)
         self.scheduler.add_request(request)
         return request
@@ -371,6 +374,7 @@ class LLMEngine:
         A decode-leg request whose KV is being pulled keeps its blocks until the pull has
         stopped writing (then they are freed); the prefill node is told to free its copy.
         """
+        self.grammars.free(request_id)
         if self.pd_steps is not None:
             return self.pd_steps.abort(request_id)
         return self.scheduler.abort_request(request_id)
@@ -474,7 +478,11 @@ class LLMEngine:
         """Stop-check a request's new (already appended) token and build its output; a request
         that ends is finished in the scheduler (a prefill leg's blocks are held first)."""
         status = self.stop_checker.check(request, token_id)
+        if self.grammars.accept(request, token_id) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar ended
         finished = status is not None
+        if finished:
+            self.grammars.free(request.request_id)
         kv_params = None
         if finished:
             request.finish_time = now
@@ -550,6 +558,8 @@ class LLMEngine:
         if self.pd_steps is not None:
             self.pd_steps.close()
             self.pd_steps = None
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.shutdown()
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown()

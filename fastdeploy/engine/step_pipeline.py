@@ -27,7 +27,15 @@ correct:
 * a request aborted or preempted meanwhile: its token is dropped (aborted) or kept (preempted: it
   was sampled from the whole context, and it re-prefills with the rest);
 * a seeded request draws from its own generator once per sampled token, so its tokens are the
-  same with the overlap schedule on or off.
+  same with the overlap schedule on or off;
+* a structured-output request: step N's grammar mask needs the matcher to have accepted N-1's
+  token, which only the host knows after N-1 finishes. So before a step that samples a request
+  with a grammar launches, the host waits for the step in flight's tokens and feeds them to the
+  matchers (:meth:`StructuredOutputs.accept_early`); the step in flight is still finished after
+  the launch, as always (so a request that N-1's token ends is dropped from N as above). That
+  wait is a host sync for that step only: the overlap is lost while grammar requests decode, in
+  every batch they share. A step without one launches as before, with no sync and no bitmask
+  (``grammar_bitmask`` None).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.core.outputs import EngineOutput
 from fastdeploy.core.request import Request
 from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.engine.structured_output import StructuredOutputs
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.worker.async_output import PendingOutput
 
@@ -81,6 +90,8 @@ class StepPipeline:
             tokens at finish (:meth:`Scheduler.resolve`).
         host_tier: the host KV tier, or None (its copies in flight keep the engine stepping).
         overlap_schedule: the plan's rule 10: launch step N before finishing step N-1.
+        grammars: the structured-output matchers
+            (:class:`~fastdeploy.engine.structured_output.StructuredOutputs`), or None.
 
     Attributes:
         in_flight: the launched step whose tokens the host has not read (overlap schedule), or
@@ -95,7 +106,9 @@ class StepPipeline:
         scheduler: Scheduler,
         host_tier: HostTier | None,
         overlap_schedule: bool,
+        grammars: StructuredOutputs | None = None,
     ) -> None:
+        self.grammars = grammars
         self.worker = worker
         self.scheduler = scheduler
         self.host_tier = host_tier
@@ -110,6 +123,14 @@ class StepPipeline:
         overlap schedule the previous step (``sched`` stays in flight). Returns the due step's
         outputs (none when no step is due), each built by ``token_output`` (the engine's; given
         per call, so the pipeline holds no reference to the engine)."""
+        grammars = self.grammars
+        if grammars is not None and not sched.is_empty:
+            flight = self.in_flight
+            if flight is not None and self._samples_grammar(sched):
+                # The masks of sched need the in-flight tokens accepted (module docstring): read
+                # them now (the wait), feed them to the matchers; finish() stays after launch.
+                grammars.accept_early(flight.samplers, flight.output.token_ids())
+            sched.grammar_bitmask = grammars.bitmask(sched)
         launched = self.launch(sched, layer_events)
         if self.overlap_schedule:
             due, self.in_flight = self.in_flight, launched
@@ -121,6 +142,10 @@ class StepPipeline:
             launched is None and due is None and not (host is not None and host.has_work)
         )
         return self.finish(due, token_output) if due is not None else []
+
+    def _samples_grammar(self, sched: SchedulerOutput) -> bool:
+        has = self.grammars.has_grammar
+        return any(s.samples and has(s.request.request_id) for s in sched.scheduled)
 
     def launch(self, sched: SchedulerOutput, layer_events: list | None) -> LaunchedStep | None:
         """Queue ``sched`` on the worker and apply its counters; None for an empty step (which

@@ -18,6 +18,7 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 from fastdeploy.model_executor.layers.sampler import Sampler
+from fastdeploy.worker.grammar_mask import GrammarMask
 from fastdeploy.worker.async_output import OutputStager, PendingOutput, SampledToken
 from fastdeploy.worker.input_batch import (
     InputBuffers,
@@ -64,6 +65,7 @@ class GPUModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.sampling = SamplingBuffers(buffers.max_num_reqs, device, seed)
+        self.grammar_mask = GrammarMask(buffers.max_num_reqs, device)
         self.outputs = OutputStager(buffers.max_num_reqs, device)
         # The latest step's sampled tokens on the device: the next step's placeholder rows
         # (overlap schedule) read them there.
@@ -278,6 +280,9 @@ class GPUModelRunner:
             return PendingOutput.ready({})
         scheduled = sched.scheduled  # the requests that sample, as prepare() found them
         reqs = [scheduled[i].request for i in inputs.sampling]
+        if sched.grammar_bitmask is not None:
+            logits = self.grammar_mask.apply(logits, sched.grammar_bitmask)
+            argmax = None  # the masked logits have an argmax of their own
         out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]), argmax)
         self.sampling.record(reqs, out.token_ids)
         rows = dict(zip(inputs.sampling_reqs, range(num_sampling)))

@@ -120,7 +120,16 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI fields that clients often send at their defaults: accepted at the value that changes
     # nothing, refused ("not supported") otherwise, so no request is silently served differently.
+    #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``;
+    #: mapped to a grammar by :mod:`~fastdeploy.entrypoints.openai.structured_request`.
     response_format: dict[str, Any] | None = None
+    #: vLLM's structured outputs: ``{json | regex | choice | grammar | json_object: ...}``, and
+    #: its older ``guided_*`` fields (one constraint per request in all).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -163,9 +172,13 @@ class SamplingFields(StrictModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v != {"type": "text"}:
-            raise ValueError('response_format is not supported (only {"type": "text"})')
+    def _format_type(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        kinds = ("text", "json_object", "json_schema")
+        if v is not None and v.get("type") not in kinds:
+            raise ValueError(
+                f"response_format type {v.get('type')!r} is not supported; allowed: "
+                + ", ".join(kinds)
+            )
         return v
 
     @field_validator("tool_choice")

@@ -15,6 +15,7 @@ from fastapi import Request as HTTPRequest
 
 from fastdeploy.core.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
+from fastdeploy.entrypoints.openai.structured_request import structured_outputs_from
 from fastdeploy.entrypoints.engine_client.async_engine import (
     EngineDeadError,
     QueueFullError,
@@ -74,7 +75,8 @@ def sampling_params_from(
 
     Raises:
         APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, stop
-            conditions over a cap of ``stop_limits`` (counted as ``stop_limit``), or a value
+            conditions over a cap of ``stop_limits`` (counted as ``stop_limit``), a structured
+            output that does not parse (:func:`structured_outputs_from`), or a value
             :class:`SamplingParams` rejects (naming it).
     """
     if req.n != 1:
@@ -104,6 +106,7 @@ def sampling_params_from(
         raise APIError(
             400, str(e), param=e.field, code="invalid_value", reason="stop_limit"
         ) from None
+    structured_outputs = structured_outputs_from(req)
     try:
         return SamplingParams(
             n=1,
@@ -123,6 +126,7 @@ def sampling_params_from(
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             logit_bias=logit_bias,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise bad_request(str(e), param_of(e)) from None

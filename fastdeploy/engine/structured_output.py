@@ -1,0 +1,175 @@
+"""Grammars of structured-output requests in the engine process: compile (cached, on a thread),
+one xgrammar ``GrammarMatcher`` per request, the token bitmask of a step, the accepted tokens.
+
+Library: xgrammar (PyPI ``xgrammar``; the same one vLLM v0.11 defaults to, see its
+``vllm/v1/structured_output/backend_xgrammar.py``). The flow follows vLLM v1's (the engine owns
+the matchers and ships a ``[rows, ceil(V / 32)]`` int32 bitmask with the step; the runner applies
+it to the logits before sampling), in code of its own:
+
+* compile: :meth:`StructuredOutputs.add` submits ``(kind, spec)`` to a one-thread pool when the
+  request arrives, so compiling overlaps the request's wait and prefill and never runs on the
+  step loop; a request's first sampled step waits for its future only if compiling is slower
+  than its prefill. Compiled grammars are cached by ``(kind, spec)`` (a dict of futures, so
+  concurrent requests with one schema compile it once; xgrammar's compiler caches too).
+  Why compile here and ship specs, not compiled grammars: a ``CompiledGrammar`` can be
+  serialized (``serialize_json``) but carries its per-token mask cache (megabytes for a 49k
+  vocabulary), the server would need the tokenizer info, and the cache here already makes a
+  repeated schema free. The server parses the spec tokenizer-free to refuse bad ones
+  (:func:`fastdeploy.core.structured_output.check_grammar`).
+* bitmask: :meth:`bitmask` fills one row per sampling row of the step (all ones for a row
+  without a grammar) from the matchers, which must have accepted every earlier token: under the
+  overlap schedule the step pipeline finishes the step in flight first when the new step samples
+  a grammar request (:mod:`fastdeploy.engine.step_pipeline`). A step without grammar rows gets
+  None and costs nothing.
+* accept: :meth:`accept` after the host reads a token (or :meth:`accept_early`, under the
+  overlap schedule, before the next grammar step launches); a matcher that terminates (its grammar
+  ended and accepted a stop token) ends the request with ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from fastdeploy.core.request import Request
+from fastdeploy.core.scheduler_output import SchedulerOutput
+from fastdeploy.core.structured_output import JSON_OBJECT_SCHEMA, check_grammar
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """Owner of the compiled grammars and per-request matchers (see the module docstring).
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer (xgrammar reads its vocabulary).
+        vocab_size: the model's vocabulary (logits width), >= the tokenizer's.
+
+    Raises:
+        ValueError: (from :meth:`add`) a request with structured outputs and no tokenizer, or a
+            spec that does not parse.
+    """
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiled: dict[tuple[str, str], Future] = {}
+        self._pending: dict[str, Future] = {}
+        self._matchers: dict[str, Any] = {}
+        self._early: dict[str, int] = {}  # tokens accepted before their step finished
+        self._rejected: set[str] = set()
+        #: Steps that carried a bitmask, and grammar rows filled (metrics for tests and benches).
+        self.num_masked_steps = 0
+        self.num_masked_rows = 0
+
+    def _compile(self, kind: str, spec: str) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        c = self._compiler
+        if kind == "json":
+            return c.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+        if kind == "json_object":
+            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(spec)
+        return c.compile_grammar(spec)
+
+    def add(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar (cached); nothing for a request without one."""
+        so = request.sampling_params.structured_outputs
+        if so is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs is invalid without a tokenizer (skip_tokenizer_init); "
+                "allowed: null"
+            )
+        key = so.key()
+        check_grammar(*key)  # milliseconds; refuses what would fail to compile (offline API)
+        future = self._compiled.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-grammar")
+            future = self._compiled[key] = self._pool.submit(self._compile, *key)
+        self._pending[request.request_id] = future
+
+    def has_grammar(self, request_id: str) -> bool:
+        return request_id in self._pending or request_id in self._matchers
+
+    def _matcher(self, request_id: str) -> Any | None:
+        matcher = self._matchers.get(request_id)
+        if matcher is None and request_id in self._pending:
+            import xgrammar as xgr
+
+            compiled = self._pending.pop(request_id).result()
+            matcher = self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        return matcher
+
+    def bitmask(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """int32 ``[num_sampling_rows, ceil(vocab_size / 32)]`` on the host, bit ``t`` of a row
+        set when token ``t`` is allowed (xgrammar's layout), rows in the order of the step's
+        sampling requests; None when no sampling request of ``sched`` has a grammar."""
+        rows = [s.request.request_id for s in sched.scheduled if s.samples]
+        grammar_rows = [i for i, rid in enumerate(rows) if self.has_grammar(rid)]
+        if not grammar_rows:
+            return None
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all ones
+        for i in grammar_rows:
+            matcher = self._matcher(rows[i])
+            if not matcher.is_terminated():  # (ended in the step just finished: dropped)
+                matcher.fill_next_token_bitmask(mask, i)
+        self.num_masked_steps += 1
+        self.num_masked_rows += len(grammar_rows)
+        return mask
+
+    def accept_early(self, samplers: list[Request], token_ids: dict[str, int]) -> None:
+        """Feed the tokens of a step not finished yet to the matchers of its grammar requests
+        (overlap schedule: before the next step's mask); :meth:`accept` then skips them."""
+        for request in samplers:
+            rid = request.request_id
+            if rid in token_ids and self.has_grammar(rid):
+                self._advance(rid, token_ids[rid])
+                self._early[rid] = self._early.get(rid, 0) + 1
+
+    def _advance(self, rid: str, token_id: int) -> None:
+        matcher = self._matcher(rid)
+        if not matcher.is_terminated() and not matcher.accept_token(token_id):
+            # Only a token the mask allowed is sampled; a rejected one means the mask and the
+            # matcher disagree (e.g. min_tokens masked the only allowed stop token): end it.
+            logger.warning("request %s: grammar rejected token %d; finishing it", rid, token_id)
+            self._rejected.add(rid)
+
+    def accept(self, request: Request, token_id: int) -> bool:
+        """Advance ``request``'s matcher by its new token (unless :meth:`accept_early` did);
+        True when the grammar has ended (the request finishes with ``stop``). False for a request
+        without a grammar."""
+        rid = request.request_id
+        if not self.has_grammar(rid):
+            return False
+        early = self._early.get(rid, 0)
+        if early:
+            self._early[rid] = early - 1
+        else:
+            self._advance(rid, token_id)
+        return rid in self._rejected or self._matchers[rid].is_terminated()
+
+    def free(self, request_id: str) -> None:
+        """Drop a finished or aborted request's matcher (its compiled grammar stays cached)."""
+        self._pending.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+        self._early.pop(request_id, None)
+        self._rejected.discard(request_id)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
