@@ -126,10 +126,12 @@ class StructuredOutputs:
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all ones
         for i in grammar_rows:
             matcher = self._matcher(rows[i])
-            if not matcher.is_terminated():  # (ended in the step just finished: dropped)
+            # A matcher that ended in the step in flight (overlap schedule): its row's token is
+            # dropped, so its row stays all ones and is not counted.
+            if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(mask, i)
+                self.num_masked_rows += 1
         self.num_masked_steps += 1
-        self.num_masked_rows += len(grammar_rows)
         return mask
 
     def accept_early(self, samplers: list[Request], token_ids: dict[str, int]) -> None:

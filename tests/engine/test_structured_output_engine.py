@@ -1,0 +1,100 @@
+"""Structured outputs in the engine with the default model (SmolLM2-135M-Instruct GGUF, CPU):
+grammar and plain requests batched together give the same greedy tokens with the overlap
+schedule on and off; plain requests' tokens do not change when grammar requests share their
+batch, and a batch without grammar builds no bitmask; the mask is applied to grammar rows only;
+a spec that does not parse is refused at ``add_request``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.core.structured_output import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(max_model_len=512, max_num_seqs=4, block_size=16, num_gpu_blocks_override=200)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "kind": {"enum": ["capital", "town"]},
+        "rivers": {"type": "array", "items": {"type": "string", "maxLength": 15}, "maxItems": 2},
+    },
+    "required": ["city", "kind", "rivers"],
+}
+REGEX = r"(Paris|Rome|Berlin)\."
+ASK = [[{"role": "user", "content": q}] for q in (
+    "Describe the capital of France as JSON.",
+    "What is the capital of Italy? One word.",
+    "What is the capital of France?",
+    "Name a colour.",
+)]  # fmt: skip
+
+
+def params(so: StructuredOutputsParams | None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=80, structured_outputs=so)
+
+
+MIXED = [params(StructuredOutputsParams(json=SCHEMA)), params(StructuredOutputsParams(regex=REGEX)),
+         params(None), params(None)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def on():
+    llm = LLM(**ENGINE)
+    assert llm.engine.overlap_schedule
+    return llm
+
+
+@pytest.fixture(scope="module")
+def off():
+    llm = LLM(disable_overlap_schedule=True, **ENGINE)
+    assert not llm.engine.overlap_schedule
+    return llm
+
+
+def run(llm, sampling):
+    return [o.outputs[0] for o in llm.chat(ASK, sampling, use_tqdm=False)]
+
+
+def test_mixed_batch_equal_with_overlap_on_and_off_and_plain_rows_unchanged(on, off):
+    got_on, got_off = run(on, MIXED), run(off, MIXED)
+    assert [o.token_ids for o in got_on] == [o.token_ids for o in got_off]
+    jsonschema.validate(json.loads(got_on[0].text), SCHEMA)
+    assert re.fullmatch(REGEX, got_on[1].text)
+    assert got_on[0].finish_reason == got_on[1].finish_reason == "stop"
+    plain = run(on, [params(None)] * 4)
+    assert [o.token_ids for o in plain[2:]] == [o.token_ids for o in got_on[2:]]
+    assert plain[1].text != got_on[1].text  # the regex did constrain row 1
+    for llm in (on, off):
+        assert not llm.engine.grammars._matchers and not llm.engine.grammars._pending  # freed
+        llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("which", ["on", "off"])
+def test_a_batch_without_grammar_builds_no_mask_and_rows_are_counted(which, request):
+    llm = request.getfixturevalue(which)
+    grammars = llm.engine.grammars
+    steps, rows = grammars.num_masked_steps, grammars.num_masked_rows
+    out = run(llm, [params(None)] * 4)
+    assert (grammars.num_masked_steps, grammars.num_masked_rows) == (steps, rows)
+    assert all(o.finish_reason for o in out)
+    got = run(llm, MIXED)
+    # One masked row per sampled token of the two grammar requests, in as many steps as the
+    # longer one took (with overlap, one more: the step in flight when it ended, whose row is
+    # dropped and not filled); plain rows are never counted.
+    assert grammars.num_masked_rows - rows == len(got[0].token_ids) + len(got[1].token_ids)
+    longest = max(len(got[0].token_ids), len(got[1].token_ids))
+    assert grammars.num_masked_steps - steps == longest + (which == "on")
+
+
+def test_a_spec_that_does_not_parse_is_refused_at_add_request(on):
+    with pytest.raises(ValueError, match="regex is invalid"):
+        on.generate("x", params(StructuredOutputsParams(regex="a(b")), use_tqdm=False)
+    on.engine.check_integrity()
+    assert not on.engine.scheduler.has_unfinished_requests()
