@@ -29,6 +29,8 @@ setup(
             "accelerate>=0.30",
             "ruff>=0.5",
             "hypothesis>=6",
+            # validates structured outputs against their schema (tests/entrypoints)
+            "jsonschema>=4",
         ],
         "gpu": ["flashinfer-python>=0.5"],
     },

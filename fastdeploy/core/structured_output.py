@@ -5,8 +5,8 @@ A request names one constraint: a JSON schema (``json``), any JSON object (``jso
 OpenAI's JSON mode), a regular expression (``regex``), one of a list of strings (``choice``) or
 an EBNF grammar (``grammar``, xgrammar's dialect, GBNF-like). :meth:`StructuredOutputsParams.key`
 reduces it to ``(kind, spec)``: ``kind`` in :data:`GRAMMAR_KINDS`, ``spec`` a string (a schema as
-compact JSON in its own key order, a choice as the EBNF ``root ::= "a" | "b"``, as vLLM builds it). That pair is what
-crosses the process line and what the engine's compile cache is keyed by.
+compact JSON in its own key order, a choice as the EBNF ``root ::= "a" | "b"``, as vLLM builds
+it). That pair is what crosses the process line and what the engine's compile cache is keyed by.
 
 :func:`check_grammar` parses the spec with xgrammar's tokenizer-free ``Grammar`` constructors, so
 the server refuses a bad schema, regex or grammar with a 400 naming the problem before the engine
@@ -112,7 +112,9 @@ def check_grammar(kind: str, spec: str) -> None:
 
     build = {
         "json": lambda s: xgr.Grammar.from_json_schema(s, strict_mode=True),
-        "json_object": lambda s: xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, strict_mode=False),
+        "json_object": lambda s: xgr.Grammar.from_json_schema(
+            JSON_OBJECT_SCHEMA, strict_mode=False
+        ),
         "regex": xgr.Grammar.from_regex,
         "grammar": xgr.Grammar.from_ebnf,
     }

@@ -77,7 +77,9 @@ class StructuredOutputs:
         if kind == "json":
             return c.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
-            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+            return c.compile_json_schema(
+                JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False
+            )
         if kind == "regex":
             return c.compile_regex(spec)
         return c.compile_grammar(spec)

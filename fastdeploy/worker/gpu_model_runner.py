@@ -18,8 +18,8 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.backend import AttentionBackend
 from fastdeploy.model_executor.layers.sampler import Sampler
-from fastdeploy.worker.grammar_mask import GrammarMask
 from fastdeploy.worker.async_output import OutputStager, PendingOutput, SampledToken
+from fastdeploy.worker.grammar_mask import GrammarMask
 from fastdeploy.worker.input_batch import (
     InputBuffers,
     LastSampled,

@@ -38,7 +38,10 @@ PERSON = {
     "required": ["name", "role", "tags", "address"],
 }
 ASK = [{"role": "user", "content": "Describe a user of a website as JSON."}]
-SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}  # fmt: skip
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,8 @@ def test_fifty_seeded_samples_all_match_the_schema(server):
 
 def test_json_mode_answers_an_object(server):
     client, _, _ = server
-    ask = [{"role": "user", "content": 'What is the capital of France? Answer in JSON with the key "capital".'}]  # fmt: skip
+    q = 'What is the capital of France? Answer in JSON with the key "capital".'
+    ask = [{"role": "user", "content": q}]
     fmt = {"type": "json_object"}
     text, reason = stream_text(client, response_format=fmt, messages=ask)
     assert json.loads(text) == {"capital": "Paris"} and reason == "stop"

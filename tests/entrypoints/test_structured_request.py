@@ -18,7 +18,10 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def test_key_keeps_the_schema_key_order_and_builds_choice_ebnf():
-    assert StructuredOutputsParams(json=SCHEMA).key() == ("json", json.dumps(SCHEMA, separators=(",", ":")))
+    assert StructuredOutputsParams(json=SCHEMA).key() == (
+        "json",
+        json.dumps(SCHEMA, separators=(",", ":")),
+    )
     assert StructuredOutputsParams(json=json.dumps(SCHEMA)).key()[1].index('"b"') < 40
     kind, spec = StructuredOutputsParams(choice=["yes", 'say "no"']).key()
     assert (kind, spec) == ("grammar", 'root ::= "yes" | "say \\"no\\""')
@@ -77,11 +80,18 @@ def chat(**fields) -> ChatCompletionRequest:
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
         (
-            {"response_format": {"type": "json_schema",
-                                 "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+                }
+            },
             StructuredOutputsParams(json=SCHEMA),
         ),  # fmt: skip
-        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=("a", "b"))),
+        (
+            {"structured_outputs": {"choice": ["a", "b"]}},
+            StructuredOutputsParams(choice=("a", "b")),
+        ),
         ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
         ({"guided_regex": "[ab]+"}, StructuredOutputsParams(regex="[ab]+")),
         ({"guided_choice": ["x"]}, StructuredOutputsParams(choice=("x",))),

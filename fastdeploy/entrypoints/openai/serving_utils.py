@@ -15,7 +15,6 @@ from fastapi import Request as HTTPRequest
 
 from fastdeploy.core.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
-from fastdeploy.entrypoints.openai.structured_request import structured_outputs_from
 from fastdeploy.entrypoints.engine_client.async_engine import (
     EngineDeadError,
     QueueFullError,
@@ -29,6 +28,7 @@ from fastdeploy.entrypoints.openai.errors import (
     param_of,
 )
 from fastdeploy.entrypoints.openai.protocol import SamplingFields
+from fastdeploy.entrypoints.openai.structured_request import structured_outputs_from
 
 T = TypeVar("T")
 
