@@ -119,6 +119,8 @@ class StructuredOutputs:
         """int32 ``[num_sampling_rows, ceil(vocab_size / 32)]`` on the host, bit ``t`` of a row
         set when token ``t`` is allowed (xgrammar's layout), rows in the order of the step's
         sampling requests; None when no sampling request of ``sched`` has a grammar."""
+        if not self._pending and not self._matchers:  # no grammar request alive: no row walk
+            return None
         rows = [s.request.request_id for s in sched.scheduled if s.samples]
         grammar_rows = [i for i, rid in enumerate(rows) if self.has_grammar(rid)]
         if not grammar_rows:
