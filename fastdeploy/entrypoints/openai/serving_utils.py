@@ -64,7 +64,8 @@ def sampling_params_from(
     prompt_logprobs: int | None = None,
     stop_limits: StopLimits | None = None,
 ) -> SamplingParams:
-    """Build :class:`SamplingParams` from a request's OpenAI fields.
+    """Build :class:`SamplingParams` from a request's OpenAI fields, for one choice (``n`` is
+    the handler's: :mod:`~fastdeploy.entrypoints.openai.choices` derives each choice's own).
 
     Defaults follow OpenAI: ``temperature`` and ``top_p`` of 1. ``max_tokens=None`` lets the
     request run until eos or ``max_model_len``. ``logit_bias`` keys are token ids written as
@@ -73,12 +74,10 @@ def sampling_params_from(
     None).
 
     Raises:
-        APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, stop
+        APIError: 400 for a ``logit_bias`` key that is not a token id, stop
             conditions over a cap of ``stop_limits`` (counted as ``stop_limit``), or a value
             :class:`SamplingParams` rejects (naming it).
     """
-    if req.n != 1:
-        raise bad_request(f"n={req.n} is not supported; only n=1", "n")
     if prompt_logprobs is None:
         prompt_logprobs = req.prompt_logprobs
     if req.prompt_logprobs is not None and req.stream:
