@@ -33,15 +33,13 @@ from fastapi import Request as HTTPRequest
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.entrypoints.engine_client.async_engine import RequestStream
 from fastdeploy.entrypoints.openai.errors import bad_request
+from fastdeploy.entrypoints.openai.serving_utils import DISCONNECT_POLL_S
 
 #: Largest ``n`` a request may ask for (OpenAI's limit).
 MAX_N = 128
 
 #: Choice seeds wrap at the range of a generator's seed (``SamplingParams.seed < 2**64``).
 SEED_MODULUS = 2**64
-
-#: Seconds between checks for a disconnected client while the first choices prefill.
-DISCONNECT_POLL_S = 0.5
 
 #: ``admit(engine request id, prompt index, sampling params) -> stream``; raises ``APIError``.
 Admit = Callable[[str, int, SamplingParams], RequestStream]
