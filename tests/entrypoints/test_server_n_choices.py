@@ -8,6 +8,7 @@
 * seeded ``n=4`` answers the same four texts again;
 * batched prompts are answered at OpenAI's indexes (prompt i, choice j -> i * n + j), each equal to
   the prompt's answer alone (greedy);
+* a client that leaves a streamed ``n=4`` aborts all four: every KV block is free again;
 * an image part and ``best_of > n`` are refused by name.
 """
 
@@ -17,6 +18,7 @@ from collections import defaultdict
 
 import pytest
 from http_server_utils import metric_samples, wait_until
+from server_process import wait_all_blocks_free
 from test_server_prefix_cache_usage import MODEL, server  # noqa: F401 - the module's engine
 
 openai = pytest.importorskip("openai")
@@ -121,3 +123,24 @@ def test_image_and_best_of_are_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", n=2, best_of=4)
     assert "best_of=4 is not supported with n=2" in str(e.value)
+
+
+def test_leaving_a_stream_aborts_every_choice_and_frees_every_block(server, client):  # noqa: F811
+    aborts = ("fastdeploy:request_success_total", (("finished_reason", "abort"),))
+    aborted0 = metric_samples(server).get(aborts, 0)
+    prompt = [9000 + 5 * i for i in range(70)]
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompt, n=4, max_tokens=500, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    seen = set()
+    for chunk in chunks:
+        seen.update(c.index for c in chunk.choices)
+        if seen == {0, 1, 2, 3}:
+            break
+    chunks.close()  # the client leaves with every choice running
+    assert seen == {0, 1, 2, 3}
+    wait_until(lambda: metric_samples(server).get(aborts, 0) >= aborted0 + 4, 30, "4 aborts")
+    assert metric_samples(server)[aborts] == aborted0 + 4  # none ran on to its 500 tokens
+    free, total = wait_all_blocks_free(server, timeout_s=30)
+    assert free == total
