@@ -292,11 +292,36 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+    #: OpenAI's output modalities and audio output options: text only here, so ``modalities``
+    #: is accepted as ``["text"]`` and ``audio`` only as null; anything else is refused saying
+    #: that audio is not supported, rather than as an unknown field.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
     def _openai_message_rules(cls, v: Any) -> Any:
         check_chat_messages(v)
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError(
+                f"modalities={json.dumps(v)} is not supported: audio is not supported (this "
+                'server runs text-only models); allowed: ["text"] or null'
+            )
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError(
+                "audio is not supported (audio output; this server runs text-only models); "
+                "allowed: null"
+            )
         return v
 
 
