@@ -144,3 +144,20 @@ def test_leaving_a_stream_aborts_every_choice_and_frees_every_block(server, clie
     assert metric_samples(server)[aborts] == aborted0 + 4  # none ran on to its 500 tokens
     free, total = wait_all_blocks_free(server, timeout_s=30)
     assert free == total
+
+
+def test_prompt_logprobs_and_echo_reach_every_choice(server, client):  # noqa: F811
+    prompt = "The quick brown fox jumps over the lazy dog"
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, n=3, max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    entries = [c.model_extra["prompt_logprobs"] for c in resp.choices]
+    assert entries[0] is not None and entries[0][0] is None and len(entries[0]) > 5
+    assert entries[1] == entries[0] and entries[2] == entries[0]  # computed once, by choice 0
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, n=2, max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
+    for c in echoed.choices:
+        assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
+        assert len(c.logprobs.tokens) == resp.usage.prompt_tokens + 2
