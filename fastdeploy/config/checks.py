@@ -5,8 +5,12 @@ parameters, the scheduler and the router) use, so that a bad value reads the sam
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from typing import Any
+import json
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -39,3 +43,28 @@ def unknown_key_error(kind: str, key: str, valid: list[str]) -> ValueError:
         f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(valid))}"
     )
     return ValueError(f"unknown {kind} {key!r}; {hint}")
+
+
+def config_from_value(cls: type[T], value: T | dict | str | None, name: str) -> T:
+    """A config dataclass ``cls`` from a JSON object string (a CLI flag), a dict, ``None``
+    (its defaults) or an instance (returned as is); ``name`` is the flag's name in errors.
+
+    Raises:
+        ValueError: bad JSON, not an object, an unknown key (with close matches), or what
+            ``cls`` raises for a bad field value.
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e}): {value!r}") from None
+    check(isinstance(value, dict), name, value, "a JSON object or dict")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in value:
+        if key not in names:
+            raise unknown_key_error(f"{name} key", key, names)
+    return cls(**value)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 
-from fastdeploy.config.checks import check, check_int, unknown_key_error
+from fastdeploy.config.checks import check, check_int, config_from_value
 
 
 @dataclass
@@ -83,18 +81,4 @@ class GraphOptimizationConfig:
         Raises:
             ValueError: bad JSON, an unknown key (with close matches) or a bad field value.
         """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"graph_optimization_config is not valid JSON: {e}") from None
-        check(isinstance(value, dict), "graph_optimization_config", value, "a JSON object or dict")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in value:
-            if key not in names:
-                raise unknown_key_error("graph_optimization_config key", key, names)
-        return cls(**value)
+        return config_from_value(cls, value, "graph_optimization_config")

@@ -8,11 +8,9 @@ publisher are in :mod:`fastdeploy.distributed.kv_events` and
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 
-from fastdeploy.config.checks import check, check_int, unknown_key_error
+from fastdeploy.config.checks import check, check_int, config_from_value
 
 #: Publishers, as vLLM's ``EventPublisherFactory`` names them.
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -106,18 +104,4 @@ class KVEventsConfig:
             ValueError: bad JSON, not an object, an unknown key (with close matches) or a bad
                 field value.
         """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON ({e}): {value!r}") from None
-        check(isinstance(value, dict), "kv_events_config", value, "a JSON object or dict")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in value:
-            if key not in names:
-                raise unknown_key_error("kv_events_config key", key, names)
-        return cls(**value)
+        return config_from_value(cls, value, "kv_events_config")

@@ -4,7 +4,8 @@ The tokenizer is character-level (token id = code point, vocabulary 0..255, eos 
 output is a fixed function of its prompt, so a batched request must produce exactly what it
 produces alone. Each step emits one token per running request; ``step_delay_s`` makes steps slow
 enough to disconnect in the middle of a stream. Which requests end, and the text they add, is
-decided by the engine's real :class:`~fastdeploy.core.stop_checker.StopChecker`.
+decided by the engine's real :class:`~fastdeploy.core.stop_checker.StopChecker`. A seeded
+request's output depends on its seed too (:func:`fake_token`).
 ``prefix_block_size`` turns on a stand-in prefix cache: a request reports as
 ``num_cached_tokens`` the longest run of whole blocks of its prompt that an earlier request's
 prompt began with (at most ``len(prompt) - 1`` tokens, as the real cache).
@@ -53,14 +54,15 @@ class FakeTokenizer:
         return text + ("assistant:" if add_generation_prompt else "")
 
 
-def expected_text(prompt_ids: list[int], n: int) -> str:
-    """What the fake engine generates for ``prompt_ids`` in ``n`` tokens."""
-    return FakeTokenizer().decode([fake_token(prompt_ids, i) for i in range(n)])
+def expected_text(prompt_ids: list[int], n: int, seed: int | None = None) -> str:
+    """What the fake engine generates for ``prompt_ids`` in ``n`` tokens (with ``seed``)."""
+    return FakeTokenizer().decode([fake_token(prompt_ids, i, seed) for i in range(n)])
 
 
-def fake_token(prompt_ids: list[int], i: int) -> int:
-    """The ``i``-th output token of a prompt: a lowercase letter or a space."""
-    k = (sum(prompt_ids) * 7 + i * 3) % 27
+def fake_token(prompt_ids: list[int], i: int, seed: int | None = None) -> int:
+    """The ``i``-th output token of a prompt: a lowercase letter or a space; a seeded request's
+    tokens depend on its seed too (so choices with their own seeds differ)."""
+    k = (sum(prompt_ids) * 7 + i * 3 + (seed or 0) * 5) % 27
     return 32 if k == 26 else ord("a") + k
 
 
@@ -91,6 +93,7 @@ class FakeEngine:
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
         self.finished: dict[str, str] = {}  # request id -> finish reason
+        self.added_at_step: dict[str, int] = {}  # request id -> steps run before it was added
         self.steps = 0
         self.fail_next_step = False
         self.is_shut_down = False
@@ -115,6 +118,7 @@ class FakeEngine:
             request_id, list(prompt_token_ids), sampling_params, eos_token_ids=frozenset({0})
         )
         request.num_cached_tokens = self._cache_prefixes(request.prompt_token_ids)
+        self.added_at_step[request_id] = self.steps
         self.stop_checker.start(request)
         self.requests[request_id] = request
 
@@ -148,7 +152,8 @@ class FakeEngine:
         self.steps += 1
         outputs = []
         for rid, request in list(self.requests.items()):
-            tok = fake_token(request.prompt_token_ids, len(request.output_token_ids))
+            seed = request.sampling_params.seed
+            tok = fake_token(request.prompt_token_ids, len(request.output_token_ids), seed)
             request.output_token_ids.append(tok)
             logprobs = None
             params = request.sampling_params

@@ -307,7 +307,7 @@ def test_only_text_prompts_take_the_tokenizing_thread(client, monkeypatch):
     for prompt in ("hi there", ["hi there"]):
         done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
         assert done.usage.prompt_tokens == len(ids)
-    assert calls == ["tokenize_prompt", "tokenize_prompt"]
+    assert calls == ["tokenize_prompts", "tokenize_prompts"]
     assert [has_text(p) for p in ("", "a", ["a"], [1], [[1]], [])] == [
         True, True, True, False, False, False,
     ]  # fmt: skip

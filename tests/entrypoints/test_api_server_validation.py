@@ -37,7 +37,7 @@ BAD_INPUTS = [
         ["unknown field", "frobnicate"],
         "frobnicate",
     ),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, ["n=2"], "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, ["n=0"], "n"),
     (
         {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5},
         400,
@@ -95,7 +95,7 @@ def test_bad_chat_input(server, body, status, words, param):
 def test_bad_completion_input(server):
     url = server[0]
     cases = [
-        ({"prompt": ["a", "b"]}, "one per request"),
+        ({"prompt": ["a", ""]}, "empty"),  # a batch with one bad prompt: none runs
         ({"prompt": [5, 999]}, "vocabulary"),
         ({"prompt": ""}, "empty"),
         ({"prompt": "x" * 130}, "130"),
@@ -114,7 +114,7 @@ def test_every_refusal_is_counted_by_reason(server):
     chat = url + "/v1/chat/completions"
     msg = [{"role": "user", "content": "x"}]
     refusals = [
-        (chat, {"messages": msg, "n": 2}, 400, "invalid"),
+        (chat, {"messages": msg, "n": 129}, 400, "invalid"),
         (chat, {"messages": msg, "stop": [""]}, 400, "invalid"),
         (chat, {"messages": msg, "top_logprobs": 2}, 400, "invalid"),
         (chat, {"messages": msg, "temperature": "hot"}, 400, "invalid"),

@@ -181,10 +181,14 @@ def test_offline_sampling_params_refuse_an_infinite_temperature():
 @pytest.mark.parametrize(
     "path, fields, param, message",
     [
-        ("/v1/completions", {"n": 2}, "n", "n=2 is not supported; only n=1"),
-        ("/v1/chat/completions", {"n": 3}, "n", "n=3 is not supported; only n=1"),
-        ("/v1/completions", {"best_of": 2}, "best_of", "best_of=2 is not supported; allowed: "
-         "null or 1"),
+        ("/v1/completions", {"n": 129}, "n", "n=129 is invalid; allowed: an integer in "
+         "[1, 128]"),
+        ("/v1/chat/completions", {"n": 0}, "n", "n=0 is invalid; allowed: an integer in "
+         "[1, 128]"),
+        ("/v1/completions", {"best_of": 2}, "best_of", "best_of=2 is not supported with n=1; "
+         "allowed: null or 1 (the request's n)"),
+        ("/v1/completions", {"n": 2, "best_of": 3}, "best_of", "best_of=3 is not supported "
+         "with n=2; allowed: null or 2 (the request's n)"),
         ("/v1/completions", {"echo": True, "stream": True}, "echo", "echo=true is not supported "
          "with stream=true; allowed: echo=false, or stream=false"),
         ("/v1/completions", {"suffix": "!"}, "suffix", 'suffix="!" is not supported; allowed: '

@@ -105,3 +105,24 @@ def test_the_server_serves_an_assistant_message_without_content(server):
     }
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"modalities": ["text", "audio"]}, "modalities", "audio is not supported"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio is not supported"),
+    ],
+)
+def test_audio_output_is_refused_by_name(server, fields, param, words):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=10)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+    assert "Extra inputs" not in err["message"] and "unknown field" not in err["message"]
+
+
+def test_text_modality_is_served(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "modalities": ["text"]}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text

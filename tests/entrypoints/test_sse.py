@@ -13,6 +13,7 @@ from fake_llm_engine import FakeTokenizer
 
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.entrypoints.engine_client.output_processor import CompletionOutput, RequestOutput
+from fastdeploy.entrypoints.openai.choices import Choice
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChunkChoice,
@@ -44,6 +45,7 @@ class Stream:
         self.batches = list(batches)
         self.error = error
         self.closed = False
+        self.request_id = "r"
 
     async def next_batch(self) -> list:
         if self.batches:
@@ -75,6 +77,11 @@ def outputs(texts: list[str], logprobs: bool, finish: str = "length") -> list[Re
     return result
 
 
+def one(stream: Stream) -> list[Choice]:
+    """The one choice of a one-choice request, streaming ``stream``."""
+    return [Choice(0, 0, stream)]
+
+
 def collect(agen) -> list[str]:
     async def run():
         return [event async for event in agen]
@@ -98,7 +105,7 @@ def test_completion_chunks_equal_the_models(tokenizer, logprobs):
     params = SamplingParams(logprobs=logprobs)
     outs = outputs(TEXTS, logprobs is not None)
     stream = Stream([outs[:1], outs[1:4], outs[4:]])
-    got = "".join(collect(handler._stream(stream, "cmpl-1", 7, True, params)))
+    got = "".join(collect(handler._stream(one(stream), "cmpl-1", 7, True, params)))
     offsets = handler.text_offsets(params)
     want = []
     for ro in outs:
@@ -125,7 +132,7 @@ def test_chat_chunks_equal_the_models(with_logprobs):
     handler = OpenAIServingChat(Engine(FakeTokenizer()), "m")
     outs = outputs(TEXTS, with_logprobs, finish="stop")
     stream = Stream([outs[:2], outs[2:]])
-    events = collect(handler._stream(stream, "chatcmpl-1", 5, True, with_logprobs))
+    events = collect(handler._stream(one(stream), "chatcmpl-1", 5, True, with_logprobs))
     want = [sse(ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[
         ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
     )]  # fmt: skip
@@ -149,7 +156,7 @@ def test_chat_chunks_equal_the_models(with_logprobs):
 def test_chat_logprobs_of_an_output_without_entries_are_an_empty_list():
     handler = OpenAIServingChat(Engine(FakeTokenizer()), "m")
     comp = CompletionOutput(0, "", [5], None, "length", None, "", [5], None)
-    events = collect(handler._stream(Stream([[RequestOutput("r", None, [1], [comp], True)]]),
+    events = collect(handler._stream(one(Stream([[RequestOutput("r", None, [1], [comp], True)]])),
                                      "c", 1, False, True))  # fmt: skip
     choice = ChatChunkChoice(delta=DeltaMessage(content=""), finish_reason="length",
                              logprobs=ChatLogprobs(content=[]))  # fmt: skip
@@ -160,7 +167,7 @@ def test_error_becomes_an_error_event_then_done():
     handler = OpenAIServingChat(Engine(FakeTokenizer()), "m")
     outs = outputs(["a", "b"], False)
     stream = Stream([outs[:1]], error=ValueError("bad thing"))
-    events = collect(handler._stream(stream, "c", 1, True, False))
+    events = collect(handler._stream(one(stream), "c", 1, True, False))
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["message"] == "bad thing" and error["code"] is None
     assert events[-1] == "data: [DONE]\n\n" and stream.closed
@@ -201,11 +208,11 @@ def test_streamed_usage_has_the_first_outputs_cached_tokens(endpoint):
         ro.num_cached_tokens = n
     if endpoint == "chat":
         handler = OpenAIServingChat(Engine(FakeTokenizer()), "m")
-        events = collect(handler._stream(Stream([outs[:2], outs[2:]]), "c", 40, True, False))
+        events = collect(handler._stream(one(Stream([outs[:2], outs[2:]])), "c", 40, True, False))
     else:
         handler = OpenAIServingCompletion(Engine(FakeTokenizer()), "m")
         params = SamplingParams()
-        events = collect(handler._stream(Stream([outs[:2], outs[2:]]), "c", 40, True, params))
+        events = collect(handler._stream(one(Stream([outs[:2], outs[2:]])), "c", 40, True, params))
     usage = json.loads(events[-1].split("\n\n")[0][len("data: ") :])["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
     assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 3

@@ -305,11 +305,36 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+    #: OpenAI's output modalities and audio output options: text only here, so ``modalities``
+    #: is accepted as ``["text"]`` and ``audio`` only as null; anything else is refused saying
+    #: that audio is not supported, rather than as an unknown field.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
     def _openai_message_rules(cls, v: Any) -> Any:
         check_chat_messages(v)
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError(
+                f"modalities={json.dumps(v)} is not supported: audio is not supported (this "
+                'server runs text-only models); allowed: ["text"] or null'
+            )
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError(
+                "audio is not supported (audio output; this server runs text-only models); "
+                "allowed: null"
+            )
         return v
 
 
@@ -359,12 +384,14 @@ class CompletionRequest(SamplingFields):
                 )
         return v
 
-    @field_validator("suffix", "best_of")
+    @field_validator("suffix")
     @classmethod
     def _defaults_only(cls, v, info: ValidationInfo):
-        """``suffix`` and ``best_of`` > 1 are not implemented: refused, naming the field,
-        rather than ignored (a client would get a different answer than it asked for)."""
-        default = {"suffix": (None,), "best_of": (None, 1)}[info.field_name]
+        """``suffix`` is not implemented: refused, naming the field, rather than ignored (a
+        client would get a different answer than it asked for). ``best_of`` other than ``n`` is
+        refused by the handler (:func:`~fastdeploy.entrypoints.openai.choices.check_n`), which
+        knows ``n``."""
+        default = {"suffix": (None,)}[info.field_name]
         if not any(v is d or (type(v) is int and v == d) for d in default):
             allowed = " or ".join(json.dumps(d) for d in default)
             raise ValueError(
@@ -533,8 +560,9 @@ def usage_of(
     num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
 ) -> UsageInfo:
     """A :class:`UsageInfo` with the total and ``prompt_tokens_details.cached_tokens``
-    (:func:`cached_prompt_tokens` of ``num_cached_tokens``) filled in. All counts are tokens of
-    one request: this server answers one prompt and one choice (``n=1``) per request."""
+    (:func:`cached_prompt_tokens` of ``num_cached_tokens``) filled in. Counts are tokens of one
+    request: each prompt counted once, completion tokens summed over every choice (OpenAI's and
+    vLLM's usage for ``n > 1`` and batched prompts)."""
     cached = cached_prompt_tokens(num_cached_tokens, num_prompt_tokens)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,

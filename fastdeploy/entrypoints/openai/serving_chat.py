@@ -10,7 +10,15 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.choices import (
+    Choice,
+    check_n,
+    collect_finals,
+    merged,
+    open_choices,
+)
+from fastdeploy.entrypoints.openai.errors import APIError, api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatChoice,
@@ -24,7 +32,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    collect_final,
     sampling_params_from,
     with_kv_transfer_params,
 )
@@ -104,59 +111,78 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = getattr(req, max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params_from(req, max_tokens, logprobs, stop_limits=self.stop_limits)
+        check_n(req.n, 1, req.kv_transfer_params)
         prompt, prompt_ids = await self.off_loop(self.render_prompt, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.admit(
-            request_id, prompt_ids, params, prompt, "messages", req, max_tokens_param
-        )
+
+        def admit(rid: str, i: int, choice_params: SamplingParams) -> Any:
+            return self.admit(
+                rid, prompt_ids, choice_params, prompt, "messages", req, max_tokens_param
+            )
+
+        try:
+            choices = await open_choices(admit, request_id, 1, req.n, params, raw_request)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - engine-side failure of the first choice
+            raise api_error_from(e) from None
+        if choices is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(stream, request_id, len(prompt_ids), include_usage, req.logprobs),
+                self._stream(choices, request_id, len(prompt_ids), include_usage, req.logprobs),
                 media_type="text/event-stream",
             )
         try:
-            final = await collect_final(stream, raw_request)
+            finals = await collect_finals(choices, raw_request)
         except Exception as e:  # noqa: BLE001 - engine-side failure of this request
             raise api_error_from(e) from None
-        if final is None:  # the client went away; nobody reads this
+        if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        comp = final.outputs[0]
-        prompt_logprobs = vllm_prompt_logprobs(self.token_bytes, final.prompt_logprobs)
-        body = ChatCompletionResponse(
-            id=request_id,
-            model=self.served_model_name,
-            choices=[
+        body_choices = []
+        for choice, final in zip(choices, finals):
+            comp = final.outputs[0]
+            body_choices.append(
                 ChatChoice(
+                    index=choice.index,
                     message=ChatResponseMessage(content=comp.text),
                     logprobs=ChatLogprobs(content=chat_logprobs(self.token_bytes, comp.logprobs))
                     if req.logprobs
                     else None,
                     finish_reason=comp.finish_reason,
                 )
-            ],
-            usage=usage_of(len(prompt_ids), len(comp.token_ids), final.num_cached_tokens),
-            prompt_logprobs=prompt_logprobs,
+            )
+        first = finals[0]  # the choice that prefilled the prompt
+        num_output_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        body = ChatCompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=body_choices,
+            usage=usage_of(len(prompt_ids), num_output_tokens, first.num_cached_tokens),
+            prompt_logprobs=vllm_prompt_logprobs(self.token_bytes, first.prompt_logprobs),
         )
-        return JSONResponse(with_kv_transfer_params(dump(body), final))
+        return JSONResponse(with_kv_transfer_params(dump(body), first))
 
     def _stream(
         self,
-        stream: Any,
+        choices: list[Choice],
         request_id: str,
         num_prompt_tokens: int,
         include_usage: bool,
         with_logprobs: bool,
     ) -> AsyncIterator[str]:
-        """Server-sent events: a role chunk, one chunk per step with new text, the finish reason,
-        an optional usage chunk, then ``[DONE]``. An engine failure becomes an error event. Each
-        chunk is a ``ChatCompletionChunk`` with one choice, encoded through a
-        :class:`ChunkTemplate`. The usage's ``cached_tokens`` are the first output's
-        (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
+        """Server-sent events: a role chunk per choice, one chunk per step and choice with new
+        text, each choice's finish reason, an optional usage chunk, then ``[DONE]``. An engine
+        failure becomes an error event. Each chunk is a ``ChatCompletionChunk`` with one choice
+        and its ``index``, encoded through a :class:`ChunkTemplate`. The usage counts the prompt
+        once and sums every choice's tokens; its ``cached_tokens`` are the first choice's first
+        output's (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
         template = ChunkTemplate(
             request_id, "chat.completion.chunk", int(time.time()), self.served_model_name
         )
-        usage = StreamUsage(num_prompt_tokens)
+        stream, index_of, firsts = merged(choices)
+        usage = StreamUsage(num_prompt_tokens, firsts)
 
         def render(ro: Any) -> str:
             usage.count(ro)
@@ -170,10 +196,12 @@ class OpenAIServingChat(OpenAIServing):
             lp = "null" if logprobs is None else f'{{"content": {to_json(logprobs)}}}'
             return template.choice(
                 f'"delta": {{"content": {to_json(comp.delta_text)}}}, "logprobs": {lp}, '
-                f'"finish_reason": {to_json(reason)}'
+                f'"finish_reason": {to_json(reason)}',
+                index_of[ro.request_id],
             )
 
         def closing() -> str:
             return usage.closing(template, include_usage)
 
-        return stream_events(stream, render, closing, first=template.choice(ROLE_FIELDS))
+        roles = "".join(template.choice(ROLE_FIELDS, c.index) for c in choices)
+        return stream_events(stream, render, closing, first=roles)

@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastdeploy.core.detokenizer import TextOffsets
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.entrypoints.openai.errors import api_error_from, bad_request
+from fastdeploy.entrypoints.openai.choices import (
+    Choice,
+    check_n,
+    collect_finals,
+    merged,
+    open_choices,
+)
+from fastdeploy.entrypoints.openai.errors import APIError, api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -26,12 +33,12 @@ from fastdeploy.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    cached_prompt_tokens,
     dump,
     usage_of,
 )
 from fastdeploy.entrypoints.openai.serving_utils import (
     OpenAIServing,
-    collect_final,
     sampling_params_from,
     with_kv_transfer_params,
 )
@@ -52,30 +59,31 @@ def has_text(prompt: Any) -> bool:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """Handles legacy completions for one served model (one prompt per request)."""
+    """Handles legacy completions for one served model: one prompt or several, ``n`` choices
+    each (:mod:`~fastdeploy.entrypoints.openai.choices`)."""
 
-    def tokenize_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
-        """``(prompt text or None, prompt token ids)`` from a string, a token-id list, or a
-        one-element list of either.
+    def tokenize_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """``[(prompt text or None, prompt token ids)]``, one per prompt: a string or a token-id
+        list is one prompt, a list of either holds several (OpenAI's batch).
 
         Raises:
-            APIError: 400 for a batch of several prompts, or a text prompt without a tokenizer.
+            APIError: 400 for a text prompt without a tokenizer, or an empty list of prompts.
         """
         prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(
-                    f"prompt holds {len(prompt)} prompts; this server takes one per request",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            self.require_tokenizer("a text prompt", "prompt")
-            return prompt, self.encode(prompt, "prompt")
-        return None, list(prompt)
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = prompt if batch else [prompt]
+        result: list[tuple[str | None, list[int]]] = []
+        for i, one in enumerate(prompts):
+            if isinstance(one, str):
+                self.require_tokenizer("a text prompt", "prompt")
+                param = f"prompt[{i}]" if batch else "prompt"
+                result.append((one, self.encode(one, param)))
+            else:
+                result.append((None, list(one)))
+        return result
 
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> Response:
-        """Run one completion.
+        """Run one completion request (every prompt, ``n`` choices each).
 
         Raises:
             APIError: 400 bad field, 404 unknown model, 429 queue full, 503 engine stopped.
@@ -95,36 +103,61 @@ class OpenAIServingCompletion(OpenAIServing):
             req, max_tokens, req.logprobs, prompt_logprobs, self.stop_limits
         )
         if has_text(req.prompt):
-            prompt, prompt_ids = await self.off_loop(self.tokenize_prompt, req)
+            prompts = await self.off_loop(self.tokenize_prompts, req)
         else:
             # Token ids are only copied: no tokenizer runs, and the tokenizing thread's hop cost
             # a wait for the GIL while the loop streamed other requests (5-6 ms median at 64
             # streams on an H200 host, against 0.06 ms inline).
-            prompt, prompt_ids = self.tokenize_prompt(req)
+            prompts = self.tokenize_prompts(req)
+        check_n(req.n, len(prompts), req.kv_transfer_params, req.best_of)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
-        stream = self.admit(request_id, prompt_ids, params, prompt, "prompt", req, sent)
+
+        def admit(rid: str, i: int, choice_params: SamplingParams) -> Any:
+            text, ids = prompts[i]
+            return self.admit(rid, ids, choice_params, text, "prompt", req, sent)
+
+        try:
+            choices = await open_choices(
+                admit, request_id, len(prompts), req.n, params, raw_request
+            )
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - engine-side failure of a first choice
+            raise api_error_from(e) from None
+        if choices is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(stream, request_id, len(prompt_ids), include_usage, params),
+                self._stream(choices, request_id, num_prompt_tokens, include_usage, params),
                 media_type="text/event-stream",
             )
         try:
-            final = await collect_final(stream, raw_request)
+            finals = await collect_finals(choices, raw_request)
         except Exception as e:  # noqa: BLE001 - engine-side failure of this request
             raise api_error_from(e) from None
-        if final is None:  # the client went away; nobody reads this
+        if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        choice, num_output_tokens = self._choice(req, params, prompt, prompt_ids, final)
+        body_choices, num_output_tokens, num_cached = [], 0, 0
+        for choice, final in zip(choices, finals):
+            first = finals[choice.prompt_index * req.n]  # carries the prompt's logprobs
+            text, ids = prompts[choice.prompt_index]
+            one, num = self._choice(req, params, text, ids, final, first.prompt_logprobs)
+            one.index = choice.index
+            body_choices.append(one)
+            num_output_tokens += num
+            if final is first:
+                num_cached += cached_prompt_tokens(final.num_cached_tokens, len(ids))
         body = CompletionResponse(
             id=request_id,
             model=self.served_model_name,
-            choices=[choice],
-            usage=usage_of(len(prompt_ids), num_output_tokens, final.num_cached_tokens),
+            choices=body_choices,
+            usage=usage_of(num_prompt_tokens, num_output_tokens, num_cached),
         )
-        return JSONResponse(with_kv_transfer_params(dump(body), final))
+        return JSONResponse(with_kv_transfer_params(dump(body), finals[0]))
 
     def _choice(
         self,
@@ -133,10 +166,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt: str | None,
         prompt_ids: list[int],
         final: Any,
+        prompt_entries: list | None,
     ) -> tuple[CompletionChoice, int]:
         """The choice of a finished request and its output token count: the echoed prompt
         first (``echo``), no generated token for ``max_tokens: 0``, and ``prompt_logprobs`` in
-        vLLM's shape when asked."""
+        vLLM's shape when asked. ``prompt_entries``: the engine's prompt logprobs of the prompt
+        (its first choice's ``RequestOutput.prompt_logprobs``: the other choices compute none)."""
         comp = final.outputs[0]
         with_logprobs = req.logprobs is not None
         scoring_only = req.max_tokens == 0
@@ -151,7 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
             offsets = self.text_offsets(params, len(echoed))
             if req.echo:
                 logprobs = echo_logprobs(
-                    self.token_bytes, prompt_ids, final.prompt_logprobs, entries, req.logprobs,
+                    self.token_bytes, prompt_ids, prompt_entries, entries, req.logprobs,
                     TextOffsets(self.token_bytes), offsets,
                 )  # fmt: skip
             else:
@@ -161,7 +196,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=logprobs,
             finish_reason="length" if scoring_only else comp.finish_reason,
             prompt_logprobs=vllm_prompt_logprobs(
-                self.token_bytes, final.prompt_logprobs if req.prompt_logprobs is not None else None
+                self.token_bytes, prompt_entries if req.prompt_logprobs is not None else None
             ),
             **self._token_ids(token_ids),
         )
@@ -194,31 +229,35 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _stream(
         self,
-        stream: Any,
+        choices: list[Choice],
         request_id: str,
         num_prompt_tokens: int,
         include_usage: bool,
         params: SamplingParams,
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per step with new text (or new token ids without a
-        tokenizer; the last chunk carries the finish reason), an optional usage chunk, then
-        ``[DONE]``. Each chunk is a ``CompletionResponse`` with one choice, encoded through a
-        :class:`ChunkTemplate`. The usage's ``cached_tokens`` are the first output's
-        (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
+        """Server-sent events: one chunk per step and choice with new text (or new token ids
+        without a tokenizer; a choice's last chunk carries its finish reason), an optional usage
+        chunk, then ``[DONE]``. Each chunk is a ``CompletionResponse`` with one choice and its
+        ``index``, encoded through a :class:`ChunkTemplate`. The usage counts each prompt once
+        and sums every choice's tokens; its ``cached_tokens`` are each prompt's first choice's
+        first output's (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
         template = ChunkTemplate(
             request_id, "text_completion", int(time.time()), self.served_model_name
         )
         with_token_ids = self.tokenizer is None
         with_logprobs = params.logprobs is not None
-        offsets = self.text_offsets(params)
-        usage = StreamUsage(num_prompt_tokens)
+        stream, index_of, firsts = merged(choices)
+        usage = StreamUsage(num_prompt_tokens, firsts)
+        offsets = {rid: self.text_offsets(params) for rid in index_of}
 
         def render(ro: Any) -> str:
             usage.count(ro)
             comp = ro.outputs[0]
             logprobs = None
             if with_logprobs:
-                logprobs = completion_logprobs(self.token_bytes, comp.delta_logprobs, offsets)
+                logprobs = completion_logprobs(
+                    self.token_bytes, comp.delta_logprobs, offsets[ro.request_id]
+                )
             news = (
                 comp.delta_text
                 or (with_token_ids and comp.delta_token_ids)
@@ -233,7 +272,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             if with_token_ids:
                 fields += f', "token_ids": {to_json(list(comp.delta_token_ids))}'
-            return template.choice(fields)
+            return template.choice(fields, index_of[ro.request_id])
 
         def closing() -> str:
             return usage.closing(template, include_usage)

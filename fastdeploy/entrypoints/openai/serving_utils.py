@@ -1,5 +1,5 @@
-"""Shared pieces of the serving handlers: sampling parameters, admission, and collecting a
-request's output while watching for a client disconnect (errors are built by
+"""Shared pieces of the serving handlers: sampling parameters and admission (a request's choices
+are admitted and collected by :mod:`fastdeploy.entrypoints.openai.choices`, errors built by
 :mod:`fastdeploy.entrypoints.openai.errors`, logprobs rendered by
 :mod:`fastdeploy.entrypoints.openai.logprobs`, streamed events by
 :mod:`fastdeploy.entrypoints.openai.sse`)."""
@@ -10,8 +10,6 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-
-from fastapi import Request as HTTPRequest
 
 from fastdeploy.core.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
@@ -36,7 +34,8 @@ T = TypeVar("T")
 #: tokenizer is not safe to share between threads that encode), never on the event loop.
 _TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-tokenize")
 
-#: Seconds between checks for a disconnected client while a non-streaming request runs.
+#: Seconds between checks for a disconnected client while a non-streaming request runs (or the
+#: first choices of an ``n > 1`` request prefill): :mod:`~fastdeploy.entrypoints.openai.choices`.
 DISCONNECT_POLL_S = 0.5
 
 
@@ -65,7 +64,8 @@ def sampling_params_from(
     prompt_logprobs: int | None = None,
     stop_limits: StopLimits | None = None,
 ) -> SamplingParams:
-    """Build :class:`SamplingParams` from a request's OpenAI fields.
+    """Build :class:`SamplingParams` from a request's OpenAI fields, for one choice (``n`` is
+    the handler's: :mod:`~fastdeploy.entrypoints.openai.choices` derives each choice's own).
 
     Defaults follow OpenAI: ``temperature`` and ``top_p`` of 1. ``max_tokens=None`` lets the
     request run until eos or ``max_model_len``. ``logit_bias`` keys are token ids written as
@@ -74,13 +74,11 @@ def sampling_params_from(
     None).
 
     Raises:
-        APIError: 400 for ``n != 1``, a ``logit_bias`` key that is not a token id, stop
+        APIError: 400 for a ``logit_bias`` key that is not a token id, stop
             conditions over a cap of ``stop_limits`` (counted as ``stop_limit``), a structured
             output that does not parse (:func:`structured_outputs_from`), or a value
             :class:`SamplingParams` rejects (naming it).
     """
-    if req.n != 1:
-        raise bad_request(f"n={req.n} is not supported; only n=1", "n")
     if prompt_logprobs is None:
         prompt_logprobs = req.prompt_logprobs
     if req.prompt_logprobs is not None and req.stream:
@@ -130,28 +128,6 @@ def sampling_params_from(
         )
     except ValueError as e:
         raise bad_request(str(e), param_of(e)) from None
-
-
-async def collect_final(stream: RequestStream, raw_request: HTTPRequest) -> Any | None:
-    """Consume ``stream`` to its last output; abort it and return ``None`` if the client left.
-
-    The client is checked every ``DISCONNECT_POLL_S`` seconds while the request runs (uvicorn
-    does not cancel a non-streaming handler when its client goes away).
-
-    Raises:
-        What the stream raises (``ValueError`` from the engine, :class:`EngineDeadError`).
-    """
-    consumer = asyncio.ensure_future(stream.final())
-    try:
-        while True:
-            done, _ = await asyncio.wait({consumer}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return consumer.result()
-            if await raw_request.is_disconnected():
-                return None
-    finally:
-        consumer.cancel()
-        stream.close()
 
 
 class OpenAIServing:

@@ -57,13 +57,14 @@ class ChunkTemplate:
             f'{{"id": {to_json(request_id)}, "object": {to_json(object_)}, '
             f'"created": {int(created)}, "model": {to_json(model)}, '
         )
-        self.head = "data: " + self.top + '"choices": [{"index": 0, '
+        self.head = "data: " + self.top + '"choices": [{"index": '
         self.tail = '}], "usage": null}\n\n'
 
-    def choice(self, fields: str) -> str:
-        """The event of a chunk with one choice; ``fields`` are the choice's fields after
-        ``"index": 0`` as JSON (``'"text": "a", "logprobs": null, "finish_reason": null'``)."""
-        return self.head + fields + self.tail
+    def choice(self, fields: str, index: int = 0) -> str:
+        """The event of a chunk with one choice, the choice ``index`` (OpenAI's: each chunk of an
+        ``n > 1`` or several-prompt stream carries one choice); ``fields`` are the choice's fields
+        after ``"index"`` as JSON (``'"text": "a", "logprobs": null, "finish_reason": null'``)."""
+        return f"{self.head}{index}, {fields}{self.tail}"
 
     def usage(
         self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
@@ -82,23 +83,33 @@ class ChunkTemplate:
 
 class StreamUsage:
     """What a stream's closing usage event counts, fed each output in turn by the renderer:
-    completion tokens (each output's new token ids) and cached prompt tokens (the first
-    output's, as :func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens` takes
-    them).
+    completion tokens (each output's new token ids, summed over every choice) and cached prompt
+    tokens (the first output's of each prompt, as
+    :func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens` takes them).
 
     Args:
-        num_prompt_tokens: the request's prompt length (tokens).
+        num_prompt_tokens: the prompt length (tokens; summed over the prompts of a batch: each
+            prompt counts once, however many choices it has).
+        cached_from: request ids of the one choice per prompt whose cached tokens count (the
+            first choice of each prompt); None: the one request of a one-choice stream.
     """
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, cached_from: set[str] | None = None) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
         self.num_cached: int | None = None
+        self._cached_from = cached_from
+        self._counted: set[str] = set()
 
     def count(self, ro: Any) -> None:
-        """Add a ``RequestOutput``'s new tokens (and take the first one's cached tokens)."""
-        if self.num_cached is None:
-            self.num_cached = ro.num_cached_tokens
+        """Add a ``RequestOutput``'s new tokens (and take its prompt's cached tokens from the
+        first output of the choice that counts them)."""
+        if self._cached_from is None:
+            if self.num_cached is None:
+                self.num_cached = ro.num_cached_tokens
+        elif ro.request_id in self._cached_from and ro.request_id not in self._counted:
+            self._counted.add(ro.request_id)
+            self.num_cached = (self.num_cached or 0) + ro.num_cached_tokens
         self.num_tokens += len(ro.outputs[0].delta_token_ids)
 
     def closing(self, template: ChunkTemplate, include_usage: bool) -> str:
