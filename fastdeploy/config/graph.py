@@ -13,6 +13,13 @@ class GraphOptimizationConfig:
 
     Capture sizes: decode buckets count requests, prefill buckets count tokens. ``None`` means the
     default ladder (see :mod:`fastdeploy.model_executor.graph_optimization.capture_sizes`).
+
+    ``capture_in_background`` (default true): the engine serves as soon as the KV cache is
+    allocated and captures the buckets one at a time between steps, the buckets traffic needs
+    first first; a step whose bucket is not captured yet runs eagerly. False captures every
+    bucket before the engine takes a request (the behaviour before issue #47). The policy turns
+    it off where a bucket's capture is too slow to fit between steps (``graph_opt_level`` > 0
+    compiles each bucket for tens of seconds) and says so (``GraphPlan.reasons``).
     """
 
     use_cudagraph: bool = True
@@ -25,9 +32,15 @@ class GraphOptimizationConfig:
     use_unique_memory_pool: bool = True
     cudagraph_only_prefill: bool = False
     cudagraph_splitting_ops: list[str] = field(default_factory=lambda: ["attention"])
+    capture_in_background: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("use_cudagraph", "full_cuda_graph", "cudagraph_only_prefill"):
+        for name in (
+            "use_cudagraph",
+            "full_cuda_graph",
+            "cudagraph_only_prefill",
+            "capture_in_background",
+        ):
             value = getattr(self, name)
             check(isinstance(value, bool), name, value, "true or false")
         check(

@@ -70,7 +70,10 @@ class GraphPlan:
         prefill_capture_sizes: prefill/mixed buckets (tokens), largest first; empty when prefill
             graphs are off.
         reasons: one readable sentence per graph the policy turned off (or kept on against a
-            setting that could have turned it off).
+            setting that could have turned it off), and one on when the graphs are captured.
+        capture_in_background: the engine serves before the graphs are captured and captures
+            them one bucket at a time between steps (false: all of them before serving, or
+            no graphs).
     """
 
     decode_graphs: bool
@@ -78,8 +81,16 @@ class GraphPlan:
     decode_capture_sizes: list[int]
     prefill_capture_sizes: list[int]
     reasons: list[str] = field(default_factory=list)
+    capture_in_background: bool = False
 
     def __post_init__(self) -> None:
+        check(
+            isinstance(self.capture_in_background, bool)
+            and (self.any_graphs or not self.capture_in_background),
+            "capture_in_background",
+            self.capture_in_background,
+            "true or false (false when no graph is captured)",
+        )
         for on, name in (
             (self.decode_graphs, "decode_capture_sizes"),
             (self.prefill_graphs, "prefill_capture_sizes"),
@@ -160,6 +171,9 @@ class GraphPlan:
             "prefill/mixed graphs (piecewise): "
             f"{sizes(self.prefill_graphs, self.prefill_capture_sizes)}",
         ]
+        if self.any_graphs:
+            when = "in the background while serving" if self.capture_in_background else "before serving"
+            lines.append(f"capture: {when}")
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 

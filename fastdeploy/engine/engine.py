@@ -203,6 +203,9 @@ class LLMEngine:
             self.worker, self.scheduler, self.host_tier, self.overlap_schedule, self.grammars
         )
         self.last_step_idle = False
+        from fastdeploy.model_executor.graph_optimization.capture_order import GapPacer
+
+        self.capture_pacer = GapPacer()
         self.kv_layout = engine_kv_layout(
             config,
             self.source.path,
@@ -392,6 +395,22 @@ class LLMEngine:
             return True
         return self.pd_steps is not None and self.pd_steps.has_background_work()
 
+    # ------------------------------------------------------------ background capture
+    def graph_capture_pending(self) -> bool:
+        """Whether CUDA graphs are still to be captured in the background (issue #47): the
+        engine serves meanwhile, each step eagerly until its bucket is captured."""
+        return self.worker.graph_capture_pending()
+
+    def capture_next_graph(self) -> dict | None:
+        """Capture one graph now, between steps (``GpuWorker.capture_next_graph``); the
+        :class:`~fastdeploy.engine.engine_loop.EngineLoop` calls it while idle, :meth:`step`
+        before a step when the pacer allows. Returns the task's outcome, or None when nothing
+        is pending."""
+        done = self.worker.capture_next_graph()
+        if done is not None:
+            self.capture_pacer.record(done["seconds"])
+        return done
+
     def set_wakeup(self, wakeup) -> None:
         """Call ``wakeup()`` from another thread when background work ends (a pull finished),
         so a loop idling between steps steps again at once."""
@@ -416,10 +435,16 @@ class LLMEngine:
         tokens and text. Without the overlap schedule that is this step; with it, the previous
         one (this one runs on while the host returns; see :mod:`fastdeploy.engine.step_pipeline`).
 
+        While graphs are captured in the background, one graph is captured first when the
+        capture pacer (:class:`~fastdeploy.model_executor.graph_optimization.capture_order.
+        GapPacer`) allows: capture takes at most half the wall time while requests run.
+
         A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns. With KV-cache events on, the
         step's events are handed to the publisher before this returns.
         """
+        if self.graph_capture_pending() and self.capture_pacer.due(busy=True):
+            self.capture_next_graph()  # in the gap before this step (issue #47)
         outputs = self._step()
         if self._kv_events_on:
             self.publish_kv_events()
@@ -522,6 +547,7 @@ class LLMEngine:
 
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode,
+        ``graph_capture`` (with graphs: captured, failed and total graphs, ``GpuWorker.get_stats``),
         ``num_preemptions``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens looked up
         in and found in the prefix cache at admission; all cumulative), ``block_size`` (tokens)
         and ``num_gpu_blocks`` (the pool, null block included); with a host KV tier also
@@ -541,7 +567,7 @@ class LLMEngine:
             "block_size": self.kv_cache_manager.block_size,
             "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits,
-            **self.worker.get_stats(),  # steps_by_mode, num_padded_tokens
+            **self.worker.get_stats(),  # steps_by_mode, num_padded_tokens, graph_capture
         }
         if self.pd is not None:
             stats["pd"] = self.pd.stats()

@@ -1,7 +1,10 @@
 """The loop that drives an engine in the engine process (or on a thread of the API server).
 
 :class:`EngineLoop` drains commands (adds, aborts) between steps, steps while there is work, and
-emits each step's outputs and stats as messages. It never waits on HTTP. The same loop runs
+emits each step's outputs and stats as messages. It never waits on HTTP. While the engine captures
+CUDA graphs in the background (``graph_capture_pending()``, optional), an idle loop captures one
+graph (``capture_next_graph()``) per turn instead of waiting for a command, and emits the
+progress; a busy one leaves the capture to ``step()``, which paces it. The same loop runs
 
 * in a process of its own (the default of the server; :mod:`~fastdeploy.engine.engine_core_proc`),
   where the messages travel over a pipe, or
@@ -64,7 +67,8 @@ Command = AddRequest | AbortRequest | StopLoop | Wake
 
 class SteppableEngine(Protocol):
     """What :class:`EngineLoop` drives (``LLMEngine``, or a test's stand-in). Optional, read
-    with ``getattr``: ``has_background_work()`` (PD pulls or sends going on), ``set_wakeup(fn)``
+    with ``getattr``: ``graph_capture_pending()`` and ``capture_next_graph()`` (the background
+    graph capture), ``has_background_work()`` (PD pulls or sends going on), ``set_wakeup(fn)``
     (``fn`` is called from another thread when that work ends) and ``last_step_idle`` (the last
     step found nothing to run)."""
 
@@ -113,6 +117,7 @@ class EngineLoop:
         """Loop until :class:`StopLoop`; a failure is logged and emitted as :class:`EngineDead`."""
         engine = self.engine
         background = getattr(engine, "has_background_work", lambda: False)
+        capture_pending = getattr(engine, "graph_capture_pending", lambda: False)
         set_wakeup = getattr(engine, "set_wakeup", None)
         if set_wakeup is not None:
             set_wakeup(lambda: self.commands.put(Wake()))
@@ -122,12 +127,16 @@ class EngineLoop:
                 busy = engine.has_unfinished_requests() and not getattr(
                     engine, "last_step_idle", False
                 )
-                changed = self._drain(block=not busy)
+                capturing = capture_pending()
+                changed = self._drain(block=not busy and not capturing)
                 if changed is None:
                     return
                 if engine.has_unfinished_requests() or background():
-                    outputs = engine.step()
+                    outputs = engine.step()  # captures a graph first when its pacer allows
                     self.emit(StepOutputs(outputs, engine.get_stats(), time.monotonic()))
+                elif capturing:  # idle: capture one graph, then look for commands again
+                    engine.capture_next_graph()
+                    self.emit(EngineStats(engine.get_stats()))  # the capture's progress
                 elif changed:  # no step message will carry the counters (an abort when idle)
                     self.emit(EngineStats(engine.get_stats()))
         except BaseException as e:  # noqa: BLE001 - report any failure to the waiting clients

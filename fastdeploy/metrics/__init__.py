@@ -8,7 +8,7 @@ many as they like without "duplicated timeseries" errors. Names follow FastDeplo
 (attribute, type, name, help, labels, buckets); a new series is a new row.
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
-by graph mode, padded tokens, preemptions, the host KV tier's hits, swap-ins and stores) come from
+by graph mode, padded tokens, CUDA graphs captured/total/failed, preemptions, the host KV tier's hits, swap-ins and stores) come from
 ``LLMEngine.get_stats()`` snapshots; the engine reports counts cumulatively, so
 :meth:`ServerMetrics.observe_stats` adds the difference to the Prometheus counters.
 
@@ -151,6 +151,14 @@ METRICS: tuple[MetricSpec, ...] = (
       "twice counts twice)."),
     M("padded_tokens", Counter, "fastdeploy:padded_tokens",
       "Tokens added to pad batches up to a capture size."),
+    M("graphs_captured", Gauge, "fastdeploy:cuda_graph_buckets_captured",
+      "CUDA graphs captured and replayed (prefill and decode buckets, sampled-row graphs); "
+      "grows while the engine captures in the background."),
+    M("graphs_total", Gauge, "fastdeploy:cuda_graph_buckets_planned",
+      "CUDA graphs the plan captures (0 without graphs); not `_total`, which Prometheus "
+      "keeps for counters."),
+    M("graphs_failed", Gauge, "fastdeploy:cuda_graph_buckets_failed",
+      "CUDA graphs whose capture raised (out of memory, say): their buckets run eagerly."),
     # Prefill/decode disaggregation (exported only by a prefill or decode node's engine).
     M("pd_pending_sends", Gauge, "fastdeploy:pd_pending_sends",
       "Finished prefill-leg requests whose KV blocks wait for a decode node."),
@@ -287,6 +295,11 @@ class ServerMetrics:
         if pd:
             self._observe_pd(pd)
         self._observe_host_tier(stats)
+        capture = stats.get("graph_capture")
+        if capture:
+            self.graphs_captured.set(capture["captured"])
+            self.graphs_total.set(capture["total"])
+            self.graphs_failed.set(capture["failed"])
         padded = stats.get("num_padded_tokens")
         if padded is not None:
             if padded > self._last_padded:

@@ -175,6 +175,19 @@ class TensorParallelWorker:
     def graph_optimize_and_warm_up_model(self) -> None:
         self._call("graph_optimize_and_warm_up_model")
 
+    def graph_capture_pending(self) -> bool:
+        """Whether the background capture has graphs left (rank 0's progress; every rank
+        captures the same tasks in the same order)."""
+        return self.worker.graph_capture_pending()
+
+    def capture_next_graph(self) -> dict | None:
+        """Capture the next graph on every rank; the ranks agree on its outcome
+        (:meth:`GpuWorker.capture_next_graph`). None when nothing is pending (nothing is
+        sent)."""
+        if not self.worker.graph_capture_pending():
+            return None
+        return self._call("capture_next_graph")
+
     def execute_model(self, sched: SchedulerOutput) -> dict[str, Any]:
         """Run one step on every rank; rank 0's sampled tokens (request id -> ``SampledToken``).
 

@@ -71,6 +71,9 @@ class GPUModelRunner:
         # (overlap schedule) read them there.
         self.last_sampled: LastSampled | None = None
         self.graph_runner = None  # set by the worker when CUDA graphs are on
+        # While graphs are captured in the background: which buckets replay (a
+        # CaptureProgress); None when every bucket of the plan is captured (or none is).
+        self.capture_progress = None
         # Steps run by graph mode and the padding rows they carried (see reset_step_counters).
         self.steps_by_mode = {"full": 0, "piecewise": 0, "eager": 0}
         self.num_padded_tokens = 0
@@ -125,44 +128,77 @@ class GPUModelRunner:
 
     def capture_model_prefill_and_mixed(self, progress=None) -> None:
         """Capture piecewise graphs for every prefill/mixed token bucket, largest first (warm-up
-        only): a dummy step of exactly ``N`` tokens, one request, or several when ``N`` exceeds
-        one request's block table. ``progress`` (a tqdm bar) is advanced once per bucket."""
-        graphs = self.graph_runner
-        buffers = self.buffers
-        # A request holds at most max_model_len tokens (positions stay in the RoPE cache); a
-        # bucket (at most max_num_batched_tokens <= max_num_seqs * max_model_len tokens) then
-        # needs at most max_num_seqs requests.
-        max_per_req = buffers.max_seq_tokens
-        for n in graphs.plan.prefill_capture_sizes:
-            # One shared block: a bucket may need more blocks than a small pool has, and what
-            # capture writes is never read as real KV.
-            sched = dummy_step(split_tokens(n, max_per_req), buffers.block_size, share_block=True)
-            inputs = buffers.prepare(sched, padded=n)
-            meta = self.build_forward_meta(inputs)
-            graphs.capture_piecewise(n, inputs.input_ids, inputs.positions, meta)
+        only; :meth:`capture_prefill_bucket` each). ``progress`` (a tqdm bar) is advanced once
+        per bucket."""
+        for n in self.graph_runner.plan.prefill_capture_sizes:
+            self.capture_prefill_bucket(n)
             if progress is not None:
                 progress.update(1)
 
+    def capture_prefill_bucket(self, n: int) -> None:
+        """Capture the piecewise graphs of token bucket ``n`` from a dummy step of exactly ``n``
+        tokens: one request, or several when ``n`` exceeds one request's block table. Every
+        request writes its K/V into the null block (block 0, never handed out), so a capture
+        between served steps leaves every live block alone."""
+        # A request holds at most max_model_len tokens (positions stay in the RoPE cache); a
+        # bucket (at most max_num_batched_tokens <= max_num_seqs * max_model_len tokens) then
+        # needs at most max_num_seqs requests.
+        buffers = self.buffers
+        # One shared block: a bucket may need more blocks than a small pool has, and what
+        # capture writes is never read as real KV.
+        sched = dummy_step(
+            split_tokens(n, buffers.max_seq_tokens),
+            buffers.block_size,
+            share_block=True,
+            first_block=0,
+        )
+        inputs = buffers.prepare(sched, padded=n)
+        meta = self.build_forward_meta(inputs)
+        self.graph_runner.capture_piecewise(n, inputs.input_ids, inputs.positions, meta)
+
+    def capture_decode_bucket(self, b: int) -> None:
+        """Capture the full graph of decode bucket ``b``: ``b`` one-token requests with one
+        token of history, sharing the null block (see :meth:`capture_prefill_bucket`)."""
+        sched = dummy_step([1] * b, self.buffers.block_size, history=1, share_block=True, first_block=0)
+        inputs = self.buffers.prepare(sched, padded=b)
+        meta = ForwardMeta(
+            self.attn_backend, None, self.kv_caches, slot_mapping=inputs.batch.slot_mapping
+        )
+        self.graph_runner.capture_full_decode(
+            b, inputs.input_ids, inputs.positions, inputs.batch, meta
+        )
+
+    def capture_sampled_bucket(self, rows: int) -> None:
+        """Capture the sampled-row logits graph of ``rows`` rows (after a piecewise bucket)."""
+        self.graph_runner.capture_sampled_logits(rows, self.buffers.logits_indices)
+
+    def capture_task(self, task) -> None:
+        """Capture one :class:`~fastdeploy.model_executor.graph_optimization.capture_order.
+        CaptureTask` (its kind's method above).
+
+        Raises:
+            whatever the capture raises (out of memory, a CUDA error, an order error).
+        """
+        capture = {
+            "prefill": self.capture_prefill_bucket,
+            "decode": self.capture_decode_bucket,
+            "sampled": self.capture_sampled_bucket,
+        }[task.kind]
+        capture(task.size)
+
     def capture_model(self, progress=None) -> None:
-        """Capture a full graph for every decode bucket, largest first (warm-up only): ``B``
-        one-token requests with one token of history, sharing one block. With the decode
-        graphs' logits (``capture_logits``) and piecewise buckets, then the sampled rows'
-        logits graph of each decode bucket size (a piecewise step samples at most one row a
-        request)."""
+        """Capture a full graph for every decode bucket, largest first (warm-up only;
+        :meth:`capture_decode_bucket` each). With the decode graphs' logits
+        (``capture_logits``) and piecewise buckets, then the sampled rows' logits graph of each
+        decode bucket size (a piecewise step samples at most one row a request)."""
         graphs = self.graph_runner
-        block_size = self.buffers.block_size
         for b in graphs.plan.decode_capture_sizes:
-            sched = dummy_step([1] * b, block_size, history=1, share_block=True)
-            inputs = self.buffers.prepare(sched, padded=b)
-            meta = ForwardMeta(
-                self.attn_backend, None, self.kv_caches, slot_mapping=inputs.batch.slot_mapping
-            )
-            graphs.capture_full_decode(b, inputs.input_ids, inputs.positions, inputs.batch, meta)
+            self.capture_decode_bucket(b)
             if progress is not None:
                 progress.update(1)
         if graphs.capture_logits and graphs.piecewise:  # piecewise steps' sampled rows
             for b in graphs.plan.decode_capture_sizes:  # <= max_num_seqs (FDConfig checks)
-                graphs.capture_sampled_logits(b, self.buffers.logits_indices)
+                self.capture_sampled_bucket(b)
 
     # ---------------------------------------------------------------- step
     def build_forward_meta(
@@ -180,13 +216,18 @@ class GPUModelRunner:
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:
         """The step's ``(mode, bucket)`` from host data: ``full``/``piecewise`` with the bucket
-        to replay, or ``("eager", None)`` (always without graphs). Under tensor parallelism
+        to replay, or ``("eager", None)`` (always without graphs, and while the plan's bucket
+        for the step is not captured: :attr:`capture_progress`). Under tensor parallelism
         rank 0 decides it and sends it with the step, so the ranks never disagree."""
         if self.graph_runner is None:
             return "eager", None
-        return self.graph_runner.plan.dispatch(
+        mode, bucket = self.graph_runner.plan.dispatch(
             sched.is_decode_only, len(sched.scheduled), sched.num_batched_tokens
         )
+        progress = self.capture_progress
+        if progress is not None and not progress.is_ready(mode, bucket):
+            return "eager", None  # its graph is not captured (yet, or its capture failed)
+        return mode, bucket
 
     def execute_model(
         self,

@@ -17,6 +17,10 @@ from fastdeploy import envs
 from fastdeploy.config import FDConfig
 from fastdeploy.core.scheduler_output import SchedulerOutput
 from fastdeploy.distributed.parallel_state import TPGroup, min_over_ranks
+from fastdeploy.model_executor.graph_optimization.capture_order import (
+    FIRST_DECODE_MAX,
+    FIRST_PREFILL_MAX,
+)
 from fastdeploy.model_executor.graph_optimization.policy import GraphPlan
 from fastdeploy.model_executor.layers.attention.selector import get_attention_backend_cls
 from fastdeploy.model_executor.model_loader import check_tensor_parallel, get_model
@@ -75,6 +79,9 @@ class GpuWorker:
         self.runner: GPUModelRunner | None = None
         self.num_blocks = 0
         self.host_pool: HostKVPool | None = None
+        # The graph capture's progress (CaptureProgress); None without graphs.
+        self.capture_progress = None
+        self._capture_phase = 0
 
     # ------------------------------------------------------------- loading
     def load_model(self) -> None:
@@ -160,11 +167,16 @@ class GpuWorker:
     def get_stats(self) -> dict:
         """Counters of the steps served since warm-up ended: ``steps_by_mode`` (mode ->
         steps, modes ``full``, ``piecewise``, ``eager``) and ``num_padded_tokens`` (padding rows
-        the graph buckets added, tokens). A copy: later steps do not change it."""
-        return {
+        the graph buckets added, tokens); with graphs, ``graph_capture``
+        (:meth:`CaptureProgress.stats`: captured, failed and total graphs). A copy: later
+        steps do not change it."""
+        stats = {
             "steps_by_mode": dict(self.runner.steps_by_mode),
             "num_padded_tokens": self.runner.num_padded_tokens,
         }
+        if self.capture_progress is not None:
+            stats["graph_capture"] = self.capture_progress.stats()
+        return stats
 
     # ------------------------------------------------------------- memory
     def determine_num_blocks(self) -> int:
@@ -242,7 +254,9 @@ class GpuWorker:
         next bucket's eager warm-up needs up to as much again on the capture stream; plus the
         shared segment buffers (six ``[max_prefill_bucket, width]`` tensors), 256 MiB for the
         decode graphs' attention metadata and, on one GPU, the decode graphs' shared
-        ``[max_decode_bucket, vocab]`` logits buffer. Counting the pool alone overshot
+        ``[max_decode_bucket, vocab]`` logits buffer; captured in the background, also the
+        first phase's largest prefill bucket's share of the activations (its pool blocks are
+        taken before the largest bucket's). Counting the pool alone overshot
         ``gpu_memory_utilization`` by 0.6 GiB with Qwen3-30B-A3B at 8,192 tokens on an H200. The
         capture log reports the memory actually used."""
         plan = self.graph_plan
@@ -257,7 +271,13 @@ class GpuWorker:
         logits = 0
         if self.graphs_capture_logits:
             logits = max(plan.decode_capture_sizes, default=0) * self.source.hf_config.vocab_size
-        return 2 * activations + (max_tokens * width + logits) * elem + (256 << 20)
+        # Captured in the background, the pool grows at the largest bucket of each phase: the
+        # first phase's largest prefill bucket's activations come on top (capture_order).
+        head = 0
+        if plan.capture_in_background and max_tokens:
+            first = max((n for n in plan.prefill_capture_sizes if n <= FIRST_PREFILL_MAX), default=0)
+            head = activations * first // max_tokens if first < max_tokens else 0
+        return 2 * activations + head + (max_tokens * width + logits) * elem + (256 << 20)
 
     def _profile_step(self) -> SchedulerOutput:
         """The largest step: exactly ``max(max_num_batched_tokens, largest prefill bucket)``
@@ -317,14 +337,24 @@ class GpuWorker:
 
     # ------------------------------------------------------------- warm-up
     def graph_optimize_and_warm_up_model(self) -> None:
-        """Capture CUDA graphs per the plan (prefill/mixed first, then decode) inside one capture
-        session, then reset the sampling RNG so a seed gives the same output with and without
-        graphs, and zero the step counters (:meth:`get_stats` counts served steps only, not the
-        memory profile or the warm-up).
+        """Capture CUDA graphs per the plan, then reset the sampling RNG so a seed gives the
+        same output with and without graphs, and zero the step counters (:meth:`get_stats`
+        counts served steps only, not the memory profile or the warm-up).
+
+        Before serving (``plan.capture_in_background`` false): every bucket inside one capture
+        session (prefill/mixed first, then decode). In the background (true): only the kernel
+        warm-up here; the engine then serves and calls :meth:`capture_next_graph` between
+        steps (:meth:`start_background_capture`).
 
         Raises:
-            RuntimeError: capture failed (out of memory or a CUDA error), naming the knobs.
+            RuntimeError: capture before serving failed (out of memory or a CUDA error),
+                naming the knobs.
         """
+        from fastdeploy.model_executor.graph_optimization.capture_order import (
+            CaptureProgress,
+            blocking_order,
+        )
+
         plan = self.graph_plan
         if plan.any_graphs:
             from fastdeploy.model_executor.graph_optimization.capture import capture_session
@@ -347,17 +377,122 @@ class GpuWorker:
                 gcfg.graph_opt_level,
                 capture_logits=self.graphs_capture_logits,
             )
-            try:
-                with capture_session(graphs) as bar:
-                    if plan.prefill_graphs:
-                        self.runner.capture_model_prefill_and_mixed(bar)
-                    if plan.decode_graphs:
-                        self.runner.capture_model(bar)
-            except RuntimeError:
-                self.runner.graph_runner = None
-                raise
+            if plan.capture_in_background:
+                self.start_background_capture(graphs)
+            else:
+                try:
+                    with capture_session(graphs) as bar:
+                        if plan.prefill_graphs:
+                            self.runner.capture_model_prefill_and_mixed(bar)
+                        if plan.decode_graphs:
+                            self.runner.capture_model(bar)
+                except RuntimeError:
+                    self.runner.graph_runner = None
+                    raise
+                progress = CaptureProgress(
+                    blocking_order(plan, graphs.capture_logits), background=False
+                )
+                for task in progress.tasks:
+                    progress.captured(task)
+                progress.seconds = graphs.capture_seconds
+                self.capture_progress = progress
         self.runner.reset_sampling_state()
         self.runner.reset_step_counters()
+
+    # ------------------------------------------------------------- background capture
+    def start_background_capture(self, graphs) -> None:
+        """Serve before the graphs are captured: install ``graphs`` (a ``CudaGraphRunner``,
+        or a stand-in with its interface) empty, open its capture window, and let every step
+        run eagerly until its bucket is captured by :meth:`capture_next_graph`, in the order
+        of :func:`~fastdeploy.model_executor.graph_optimization.capture_order.background_order`
+        over ``graphs.plan``."""
+        from fastdeploy.model_executor.graph_optimization.capture_order import (
+            CaptureProgress,
+            background_order,
+        )
+
+        progress = CaptureProgress(background_order(graphs.plan, graphs.capture_logits))
+        self.runner.graph_runner = graphs
+        self.runner.capture_progress = progress
+        self.capture_progress = progress
+        self._capture_phase = 0
+        graphs.begin_capture()
+        logger.info(
+            "serving before capture: %d graphs to capture between steps (decode <= %d and "
+            "prefill <= %d tokens first); steps run eagerly until their bucket is captured",
+            len(progress.tasks),
+            FIRST_DECODE_MAX,
+            FIRST_PREFILL_MAX,
+        )
+
+    def graph_capture_pending(self) -> bool:
+        """Whether a background capture has graphs left to capture."""
+        progress = self.capture_progress
+        return progress is not None and progress.background and not progress.done
+
+    def capture_next_graph(self) -> dict | None:
+        """Capture the next graph of the background capture (between two steps, on the
+        engine's thread: the caller's). Waits for the step in flight first, so the capture has
+        the device to itself. A capture that raises leaves its bucket eager, logged and
+        recorded (``get_stats()["graph_capture"]["failures"]``); the other buckets go on.
+        Under tensor parallelism every rank captures the same task and the ranks agree on the
+        outcome (the minimum of a success flag over the control group): a bucket replays only
+        when every rank captured it, and a rank that captured it alone drops its graph.
+
+        Returns:
+            ``{"kind", "size", "ok", "seconds"}`` of the task, or None when nothing is pending.
+        """
+        from fastdeploy.model_executor.graph_optimization.capture import gap_capture
+
+        if not self.graph_capture_pending():
+            return None
+        progress = self.capture_progress
+        graphs = self.runner.graph_runner
+        task = progress.next_task()
+        if task.phase != self._capture_phase:
+            graphs.begin_phase()
+            self._capture_phase = task.phase
+        start = time.perf_counter()
+        reason = None
+        cuda = self.device.type == "cuda"
+        try:
+            with gap_capture(cuda):
+                self.runner.capture_task(task)
+        except Exception as e:  # noqa: BLE001 - any capture error leaves one bucket eager
+            reason = f"{type(e).__name__}: {e}"
+            if cuda:
+                torch.cuda.empty_cache()
+        agreed = min_over_ranks(int(reason is None), self.tp)
+        if agreed and reason is None:
+            seconds = time.perf_counter() - start
+            progress.captured(task, seconds)
+        else:
+            if reason is None:  # captured here, failed on another rank: drop ours
+                graphs.discard(task.kind, task.size)
+                reason = "capture failed on another tensor-parallel rank"
+            seconds = time.perf_counter() - start
+            progress.failed(task, reason, seconds)
+            logger.warning(
+                "capture of the %s graph of bucket %d failed; that bucket runs eagerly, the "
+                "others are unaffected: %s",
+                task.kind,
+                task.size,
+                reason,
+            )
+        if progress.done:
+            graphs.end_capture()
+            graphs.capture_seconds = progress.seconds
+            stats = progress.stats()
+            logger.info(
+                "background capture done: %d of %d graphs captured, %d failed, %.2f s of "
+                "capture%s",
+                stats["captured"],
+                stats["total"],
+                stats["failed"],
+                progress.seconds,
+                f", {torch.cuda.memory_reserved() / GiB:.2f} GiB reserved" if cuda else "",
+            )
+        return {"kind": task.kind, "size": task.size, "ok": reason is None, "seconds": seconds}
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[str, int | None]:
         """The step's ``(mode, bucket)`` (:meth:`GPUModelRunner.dispatch`): what rank 0 sends

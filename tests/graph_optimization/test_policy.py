@@ -69,7 +69,23 @@ def test_default_cuda_plan_turns_both_on():
     assert plan.decode_graphs and plan.prefill_graphs
     assert plan.decode_capture_sizes == default_decode_sizes(64)
     assert plan.prefill_capture_sizes == default_prefill_sizes(8192, 512)
-    assert plan.reasons == []
+    assert plan.capture_in_background  # rule 8b: serve from the first second
+    assert len(plan.reasons) == 1 and has_reason(plan, "captured in the background")
+
+
+def test_rule8b_when_the_graphs_are_captured():
+    off = resolve_graph_plan(make_config(capture_in_background=False))
+    assert not off.capture_in_background
+    assert has_reason(off, "captured before serving", "capture_in_background=false")
+    compiled = resolve_graph_plan(make_config(graph_opt_level=1))
+    assert not compiled.capture_in_background
+    assert has_reason(compiled, "captured before serving", "graph_opt_level=1", "tens of seconds")
+    cpu = resolve_graph_plan(make_config(platform="cpu"))  # nothing to capture: no timing rule
+    assert not cpu.capture_in_background
+    assert not has_reason(cpu, "captured")
+    assert GraphPlan.from_dict(off.to_dict()) == off
+    with pytest.raises(ValueError, match="capture_in_background"):
+        GraphPlan(False, False, [], [], capture_in_background=True)
 
 
 def test_rule1_cpu_platform_turns_all_off():

@@ -1,5 +1,6 @@
-"""The capture session: garbage collection frozen, time and memory logged, errors that name the
-knobs. The capture loops themselves are the model runner's
+"""The capture session before serving (garbage collection frozen, time and memory logged, errors
+that name the knobs), and the one-graph session of the background capture (:func:`gap_capture`).
+The capture loops themselves are the model runner's
 (``GPUModelRunner.capture_model_prefill_and_mixed`` and ``GPUModelRunner.capture_model``)."""
 
 from __future__ import annotations
@@ -37,6 +38,28 @@ def frozen_gc() -> Iterator[None]:
         if was_enabled:
             gc.enable()
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def gap_capture(cuda: bool) -> Iterator[None]:
+    """The window of one graph's capture between two served steps: on CUDA, wait for the step
+    in flight first (the capture and its eager warm-up runs then have the device and the
+    runner's persistent buffers to themselves), and again at the end (what follows sees the
+    graph complete); inference mode on; the garbage collector disabled but not run (a full
+    collection of a serving engine's heap would cost more than the capture; the start-up heap is
+    frozen already)."""
+    if cuda:
+        torch.cuda.synchronize()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            yield
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ pool and stream, the buffer sizes); it never holds the runner. The runner prepar
 in its persistent buffers, asks :meth:`GraphPlan.dispatch` for the mode and bucket, and calls
 :meth:`CudaGraphRunner.replay_full` or :meth:`CudaGraphRunner.replay_piecewise`; at warm-up it
 calls :meth:`CudaGraphRunner.capture_piecewise` and :meth:`CudaGraphRunner.capture_full_decode`
-once per bucket, largest first.
+once per bucket, largest first within each capture phase (one phase before serving; two when
+capturing in the background, :mod:`~fastdeploy.model_executor.graph_optimization.capture_order`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class CudaGraphRunner:
         self.piecewise: dict[int, PiecewiseGraph] = {}
         self.full: dict[int, FullGraph] = {}
         self.capture_log: list[tuple[str, int]] = []
+        self._phase_start = 0  # capture_log index where the current phase began
         self.seconds: dict[str, float] = collections.defaultdict(float)  # capture time by phase
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -95,23 +97,32 @@ class CudaGraphRunner:
 
     # ----------------------------------------------------------- capture
     def begin_capture(self) -> None:
-        """Open the capture window (warm-up only); :meth:`end_capture` closes it for good."""
+        """Open the capture window (warm-up, or the background capture's whole run);
+        :meth:`end_capture` closes it for good."""
         self._capturing = True
 
     def end_capture(self) -> None:
-        """Close the capture window: no bucket is ever captured lazily while serving."""
+        """Close the capture window: no bucket is captured after it, and none lazily on a
+        step's demand."""
         self._capturing = False
+
+    def begin_phase(self) -> None:
+        """Start a new capture phase: each kind's buckets are again captured largest first from
+        here (the background order's second phase,
+        :func:`~fastdeploy.model_executor.graph_optimization.capture_order.background_order`)."""
+        self._phase_start = len(self.capture_log)
 
     def _check_order(self, kind: str, size: int) -> None:
         if not self._capturing:
             raise RuntimeError(
-                f"capture of {kind} bucket {size} outside warm-up: buckets are "
-                "captured during warm-up only, never lazily while serving"
+                f"capture of {kind} bucket {size} outside the capture window: buckets are "
+                "captured at warm-up or by the background capture, never on a step's demand"
             )
-        prev = [s for k, s in self.capture_log if k == kind]
+        prev = [s for k, s in self.capture_log[self._phase_start :] if k == kind]
         if prev and size >= prev[-1]:
             raise RuntimeError(
-                f"{kind} buckets must be captured largest first; {size} came after {prev[-1]}"
+                f"{kind} buckets must be captured largest first within a phase; {size} came "
+                f"after {prev[-1]}"
             )
         self.capture_log.append((kind, size))
 
@@ -236,18 +247,20 @@ class CudaGraphRunner:
 
     def _logits_tail(self, batch_size: int):
         """The tail of a decode graph of ``batch_size`` rows: the logits into its rows of the
-        shared buffer (allocated at the first, largest, decode capture), and their argmax."""
+        shared buffer (allocated at the first decode capture, sized for the plan's largest
+        decode bucket, whichever bucket comes first), and their argmax."""
         from custom_ops.argmax_ops import argmax_rows
 
         if self._logits is None:
             weight = self.model.lm_head.weight
+            rows = max([batch_size, *self.plan.decode_capture_sizes])
             self._logits = torch.empty(  # float32: the LM head's logits are never rounded
-                batch_size, weight.shape[0], dtype=torch.float32, device=weight.device
+                rows, weight.shape[0], dtype=torch.float32, device=weight.device
             )
         if batch_size > self._logits.shape[0]:
             raise RuntimeError(
                 f"a logits tail of {batch_size} rows after the shared buffer was sized for "
-                f"{self._logits.shape[0]}: capture the largest decode bucket first"
+                f"{self._logits.shape[0]}: the plan's largest decode bucket is smaller"
             )
         rows = self._logits[:batch_size]
         model = self.model
@@ -345,6 +358,15 @@ class CudaGraphRunner:
         sampled-row bucket."""
         pieces = sum(len(g.graphs) for g in self.piecewise.values())
         return len(self.full) + pieces + len(self.sampled)
+
+    def discard(self, kind: str, size: int) -> None:
+        """Drop the graph of one bucket (``kind`` ``prefill``, ``decode`` or ``sampled``): its
+        steps run eagerly. A tensor-parallel rank that captured a bucket another rank failed
+        to capture drops it, so the ranks replay the same buckets. Its pool blocks stay
+        reserved by the pool."""
+        table = {"prefill": self.piecewise, "decode": self.full, "sampled": self.sampled}[kind]
+        table.pop(size, None)
+        self._sampled_sizes = sorted(self.sampled)
 
     def release(self) -> None:
         """Drop every graph and buffer (engine shutdown, or a failed capture)."""

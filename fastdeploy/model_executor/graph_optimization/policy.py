@@ -21,7 +21,12 @@ than comparing names. Every graph it turns off carries a reason that users can r
    ``swap_in_mode="layerwise"``) -> prefill graphs off, whichever path turned them on; with
    ``swap_in_mode="request"`` they stay on and the plan says why;
 8. bucket lists: explicit ones as given, default ladders capped at ``max_num_seqs`` (decode) and
-   ``max_num_batched_tokens`` (prefill).
+   ``max_num_batched_tokens`` (prefill);
+8b. when the graphs are captured: in the background while serving
+   (``capture_in_background=true``, the default), unless ``graph_opt_level > 0``, whose
+   ``torch.compile`` of one bucket takes tens of seconds that a step would wait; then, or with
+   ``capture_in_background=false``, before serving (see
+   :mod:`fastdeploy.model_executor.graph_optimization.capture_order`).
 
 Rules 9 (the fused all-reduce) and 10 (the overlap schedule) are not graphs: they are deployment
 rules of :class:`~fastdeploy.config.plan.DeploymentPlan`, owned by
@@ -203,10 +208,35 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
             if explicit
             else default_prefill_sizes(graph.max_capture_shape_prefill, budget)
         )
+    background = False
+    if decode or prefill:
+        background, reason = _capture_timing(graph)
+        reasons.append(reason)
     return GraphPlan(
         decode_graphs=decode,
         prefill_graphs=prefill,
         decode_capture_sizes=decode_sizes,
         prefill_capture_sizes=prefill_sizes,
         reasons=reasons,
+        capture_in_background=background,
+    )
+
+
+def _capture_timing(graph) -> tuple[bool, str]:
+    """Rule 8b: whether the graphs are captured in the background while serving, and why."""
+    if not graph.capture_in_background:
+        return False, (
+            "graphs captured before serving: capture_in_background=false (the engine answers "
+            "requests once every bucket is captured)"
+        )
+    if graph.graph_opt_level > 0:
+        return False, (
+            f"graphs captured before serving: graph_opt_level={graph.graph_opt_level} compiles "
+            "each bucket with torch.compile for tens of seconds, which a step captured between "
+            "would wait (graph_opt_level=0 captures in the background)"
+        )
+    return True, (
+        "graphs captured in the background while serving (capture_in_background=true): a step "
+        "whose bucket is not captured yet runs eagerly; decode buckets <= 8 and prefill buckets "
+        "<= 512 tokens first"
     )
