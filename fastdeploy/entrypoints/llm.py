@@ -34,6 +34,10 @@ class LLM:
         self.thread_settings = cpu_threads.check_engine_threads(engine_args.get("device", "auto"))
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine.from_engine_args(args)
+        # A batch job has no client waiting for its first second: finish the CUDA graphs that a
+        # background capture (the plan's default, issue #47) left, so every batch replays them.
+        while self.engine.graph_capture_pending():
+            self.engine.capture_next_graph()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -46,7 +46,10 @@ def server_argv(model_dir: str, port: int, *extra: str) -> list[str]:
         sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model_dir,
         "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", "0.4", "--max-model-len", "8192", "--max-num-seqs", "16",
-        "--log-level", "warning", *extra,
+        "--log-level", "warning",
+        # graphs before serving: the decode node's first step must replay (issue #47 serves
+        # eagerly while capturing otherwise)
+        "--graph-optimization-config", '{"capture_in_background": false}', *extra,
     ]  # fmt: skip
 
 
