@@ -50,3 +50,18 @@ def test_counters_advance_by_the_engines_cumulative_counts():
     assert 'fastdeploy:steps_total{mode="eager"} 5.0' in text
     assert "fastdeploy:padded_tokens_total 4.0" in text
     assert "fastdeploy:num_requests_running 1.0" in text
+
+
+def test_the_graph_capture_progress_is_exported_as_three_gauges():
+    """Issue #47: captured, planned and failed CUDA graphs from ``stats["graph_capture"]``."""
+    metrics = ServerMetrics()
+    progress = {"captured": 3, "total": 8, "failed": 1, "done": False}
+    metrics.observe_stats({"graph_capture": progress})
+    text = metrics.render().decode()
+    assert "fastdeploy:cuda_graph_buckets_captured 3.0" in text
+    assert "fastdeploy:cuda_graph_buckets_planned 8.0" in text
+    assert "fastdeploy:cuda_graph_buckets_failed 1.0" in text
+    metrics.observe_stats({"graph_capture": {**progress, "captured": 7}})
+    assert "fastdeploy:cuda_graph_buckets_captured 7.0" in metrics.render().decode()
+    metrics.observe_stats({"num_running": 0})  # a snapshot without it changes nothing
+    assert "fastdeploy:cuda_graph_buckets_captured 7.0" in metrics.render().decode()
