@@ -65,3 +65,18 @@ def test_the_graph_capture_progress_is_exported_as_three_gauges():
     assert "fastdeploy:cuda_graph_buckets_captured 7.0" in metrics.render().decode()
     metrics.observe_stats({"num_running": 0})  # a snapshot without it changes nothing
     assert "fastdeploy:cuda_graph_buckets_captured 7.0" in metrics.render().decode()
+
+
+def test_start_up_phases_are_exported_by_phase():
+    metrics = ServerMetrics()
+    metrics.observe_stats(
+        {
+            "startup_seconds": {"imports": 2.5, "weights": 1.25},
+            "graph_capture": {"captured": 1, "total": 2, "failed": 0, "background": True,
+                              "seconds_by_phase": {"1": 0.5}},
+        }
+    )  # fmt: skip
+    text = metrics.render().decode()
+    assert 'fastdeploy:startup_phase_seconds{phase="imports"} 2.5' in text
+    assert 'fastdeploy:startup_phase_seconds{phase="weights"} 1.25' in text
+    assert 'fastdeploy:startup_phase_seconds{phase="background_capture_phase_1"} 0.5' in text

@@ -116,9 +116,19 @@ class LLMEngine:
     kv_event_publisher: Any = None
     _kv_events_on = False
 
-    def __init__(self, config: FDConfig, plan: DeploymentPlan) -> None:
+    def __init__(
+        self,
+        config: FDConfig,
+        plan: DeploymentPlan,
+        startup_seconds: dict[str, float | None] | None = None,
+    ) -> None:
         from fastdeploy.config.plan import DeploymentPlan
+        from fastdeploy.core.startup import StartupPhases, process_age_seconds
         from fastdeploy.worker.executor import make_worker
+
+        if startup_seconds is None:  # the process's age: interpreter, imports, arguments
+            startup_seconds = {"imports": process_age_seconds()}
+        self.startup = StartupPhases(startup_seconds)
 
         if not isinstance(plan, DeploymentPlan):
             raise TypeError(
@@ -138,12 +148,15 @@ class LLMEngine:
         logger.info("deployment plan: %s", json.dumps(plan.to_dict()))
         self.tokenizer = None
         if not config.model_config.skip_tokenizer_init:
-            self.tokenizer = self.source.load_tokenizer()
+            with self.startup.phase("tokenizer"):
+                self.tokenizer = self.source.load_tokenizer()
         self.vocab_size = self.source.hf_config.vocab_size
         self.eos_token_ids = frozenset(self._eos_ids())
-        self.worker = make_worker(self.config, self.plan)
+        with self.startup.phase("workers"):  # tensor-parallel ranks start here
+            self.worker = make_worker(self.config, self.plan)
         try:
             self._start(config)
+            logger.info("start-up phases: %s", self.startup.describe())
             freeze_startup_heap("engine", gc_freeze)  # full collections skip the start-up heap
         except BaseException:
             if self.kv_event_publisher is not None:
@@ -164,15 +177,27 @@ class LLMEngine:
             from fastdeploy.worker.host_kv_pool import host_blocks_for
 
             num_host_blocks = host_blocks_for(cache.swap_space, self.worker.bytes_per_block)
-        self.worker.load_model()
-        num_blocks = self.worker.determine_num_blocks()
+        phase = self.startup.phase
+        with phase("weights"):
+            self.worker.load_model()
+        with phase("memory_profile"):
+            num_blocks = self.worker.determine_num_blocks()
         self.max_model_len, self.max_model_len_note = fit_max_model_len(
             config.model_config.max_model_len, num_blocks, cache.block_size
         )
         self._log_kv_cache(num_blocks)
-        self.worker.initialize_kv_cache(num_blocks)
+        with phase("kv_allocation"):
+            self.worker.initialize_kv_cache(num_blocks)
         # Ends with the step counters at zero: the metrics count served steps only.
+        start = time.perf_counter()
         self.worker.graph_optimize_and_warm_up_model()
+        elapsed = time.perf_counter() - start
+        # Kernel warm-up (flashinfer's JIT build or cache load) and capture before serving, as
+        # the worker timed them (rank 0's); the rest of the call as "warmup_other".
+        parts = getattr(self.worker, "startup_seconds", None) or {}
+        for name, seconds in parts.items():
+            self.startup.add(name, seconds)
+        self.startup.add("warmup_other", max(elapsed - sum(parts.values()), 0.0))
         events = config.kv_events_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -270,8 +295,13 @@ class LLMEngine:
             ValueError: a bad or not yet supported argument; FileNotFoundError: missing model.
         """
         from fastdeploy.config.resolve import resolve_deployment
+        from fastdeploy.core.startup import process_age_seconds
 
-        return cls(*resolve_deployment(engine_args))
+        imports = process_age_seconds()
+        start = time.perf_counter()
+        config, plan = resolve_deployment(engine_args)
+        startup = {"imports": imports, "config_and_plan": time.perf_counter() - start}
+        return cls(config, plan, startup_seconds=startup)
 
     def describe(self) -> dict[str, Any]:
         """``{"config": ..., "deployment_plan": ...}`` as JSON-able dicts: what this engine runs
@@ -548,6 +578,7 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """Counters for metrics: running/waiting requests, KV usage, steps by graph mode,
         ``graph_capture`` (with graphs: captured, failed and total graphs, ``GpuWorker.get_stats``),
+        ``startup_seconds`` (start-up phase -> seconds, in the order they ran),
         ``num_preemptions``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens looked up
         in and found in the prefix cache at admission; all cumulative), ``block_size`` (tokens)
         and ``num_gpu_blocks`` (the pool, null block included); with a host KV tier also
@@ -569,6 +600,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits,
             **self.worker.get_stats(),  # steps_by_mode, num_padded_tokens, graph_capture
         }
+        stats["startup_seconds"] = dict(self.startup.seconds)
         if self.pd is not None:
             stats["pd"] = self.pd.stats()
         if self.host_tier is not None:

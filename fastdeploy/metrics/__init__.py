@@ -157,6 +157,11 @@ METRICS: tuple[MetricSpec, ...] = (
     M("graphs_total", Gauge, "fastdeploy:cuda_graph_buckets_planned",
       "CUDA graphs the plan captures (0 without graphs); not `_total`, which Prometheus "
       "keeps for counters."),
+    M("startup_seconds", Gauge, "fastdeploy:startup_phase_seconds",
+      "Seconds each start-up phase took (imports, config_and_plan, tokenizer, workers, weights, "
+      "memory_profile, kv_allocation, kernel_warmup, capture_before_serving, warmup_other; "
+      "background_capture_phase_1/2 while and after graphs are captured while serving).",
+      ("phase",)),
     M("graphs_failed", Gauge, "fastdeploy:cuda_graph_buckets_failed",
       "CUDA graphs whose capture raised (out of memory, say): their buckets run eagerly."),
     # Prefill/decode disaggregation (exported only by a prefill or decode node's engine).
@@ -300,6 +305,11 @@ class ServerMetrics:
             self.graphs_captured.set(capture["captured"])
             self.graphs_total.set(capture["total"])
             self.graphs_failed.set(capture["failed"])
+            if capture.get("background"):
+                for phase, seconds in (capture.get("seconds_by_phase") or {}).items():
+                    self.startup_seconds.labels(f"background_capture_phase_{phase}").set(seconds)
+        for phase, seconds in (stats.get("startup_seconds") or {}).items():
+            self.startup_seconds.labels(phase).set(seconds)
         padded = stats.get("num_padded_tokens")
         if padded is not None:
             if padded > self._last_padded:

@@ -81,6 +81,9 @@ class GpuWorker:
         self.host_pool: HostKVPool | None = None
         # The graph capture's progress (CaptureProgress); None without graphs.
         self.capture_progress = None
+        # Seconds of the warm-up's parts (kernel_warmup, capture_before_serving), for the
+        # engine's start-up phases.
+        self.startup_seconds: dict[str, float] = {}
         self._capture_phase = 0
 
     # ------------------------------------------------------------- loading
@@ -369,6 +372,7 @@ class GpuWorker:
             decode = [1] * min(2, sched.max_num_seqs)
             self.runner.execute_model(dummy_step(decode, block_size, history=1, share_block=True))
             torch.cuda.synchronize()
+            self.startup_seconds["kernel_warmup"] = time.perf_counter() - start
             logger.info("kernel warm-up before capture: %.2f s", time.perf_counter() - start)
             gcfg = self.config.graph_opt_config
             graphs = self.runner.init_graph_runner(
@@ -380,6 +384,7 @@ class GpuWorker:
             if plan.capture_in_background:
                 self.start_background_capture(graphs)
             else:
+                start = time.perf_counter()
                 try:
                     with capture_session(graphs) as bar:
                         if plan.prefill_graphs:
@@ -396,6 +401,7 @@ class GpuWorker:
                     progress.captured(task)
                 progress.seconds = graphs.capture_seconds
                 self.capture_progress = progress
+                self.startup_seconds["capture_before_serving"] = time.perf_counter() - start
         self.runner.reset_sampling_state()
         self.runner.reset_step_counters()
 

@@ -91,7 +91,7 @@ def test_a_bucket_replays_only_after_its_capture_returned_and_a_failed_one_never
     stats = progress.stats()
     assert stats == {
         "background": True, "total": 4, "captured": 3, "failed": 1, "done": True,
-        "seconds": 1.25, "by_kind": {"prefill": [2, 2], "decode": [1, 2]},
+        "seconds": 1.25, "seconds_by_phase": {"1": 0.75, "2": 0.5}, "by_kind": {"prefill": [2, 2], "decode": [1, 2]},
         "failures": [{"kind": "decode", "size": 4, "reason": "OutOfMemoryError: CUDA out of memory"}],
     }  # fmt: skip
 

@@ -135,6 +135,7 @@ class CaptureProgress:
         ready: kind -> the sizes whose graphs replay (a frozenset, replaced, never mutated).
         failures: the tasks whose capture raised, in order.
         seconds: seconds spent capturing so far (wall clock, the captures only).
+        seconds_by_phase: the same by phase (``"1"``, ``"2"``).
     """
 
     tasks: list[CaptureTask]
@@ -142,6 +143,7 @@ class CaptureProgress:
     ready: dict[str, frozenset[int]] = field(default_factory=lambda: dict.fromkeys(KINDS, frozenset()))
     failures: list[CaptureFailure] = field(default_factory=list)
     seconds: float = 0.0
+    seconds_by_phase: dict[str, float] = field(default_factory=dict)
     _next: int = 0
 
     @property
@@ -159,6 +161,8 @@ class CaptureProgress:
             raise RuntimeError(f"capture of {task} out of order; next is {self.next_task()}")
         self._next += 1
         self.seconds += seconds
+        key = str(task.phase)
+        self.seconds_by_phase[key] = self.seconds_by_phase.get(key, 0.0) + seconds
 
     def captured(self, task: CaptureTask, seconds: float = 0.0) -> None:
         """``task``'s graph is stored and complete: its bucket replays from the next step.
@@ -187,6 +191,7 @@ class CaptureProgress:
     def stats(self) -> dict:
         """For ``get_stats`` (``/v1/server_info``, ``/metrics``): ``background`` (bool),
         ``total``, ``captured``, ``failed`` (tasks), ``done`` (bool), ``seconds`` (float),
+        ``seconds_by_phase`` (phase -> float),
         ``by_kind`` (kind -> ``[captured, total]``), ``failures`` (``[{kind, size, reason}]``).
         A new dict of plain values."""
         totals = {k: sum(t.kind == k for t in self.tasks) for k in KINDS}
@@ -197,6 +202,7 @@ class CaptureProgress:
             "failed": len(self.failures),
             "done": self.done,
             "seconds": round(self.seconds, 3),
+            "seconds_by_phase": {k: round(v, 3) for k, v in self.seconds_by_phase.items()},
             "by_kind": {k: [len(self.ready[k]), totals[k]] for k in KINDS if totals[k]},
             "failures": [
                 {"kind": f.task.kind, "size": f.task.size, "reason": f.reason}
