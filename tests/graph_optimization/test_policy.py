@@ -80,6 +80,10 @@ def test_rule8b_when_the_graphs_are_captured():
     compiled = resolve_graph_plan(make_config(graph_opt_level=1))
     assert not compiled.capture_in_background
     assert has_reason(compiled, "captured before serving", "graph_opt_level=1", "tens of seconds")
+    for role in ("prefill", "decode"):
+        pd = resolve_graph_plan(make_config(splitwise_role=role))
+        assert not pd.capture_in_background
+        assert has_reason(pd, "captured before serving", f"splitwise_role={role}", "KV transfer")
     cpu = resolve_graph_plan(make_config(platform="cpu"))  # nothing to capture: no timing rule
     assert not cpu.capture_in_background
     assert not has_reason(cpu, "captured")

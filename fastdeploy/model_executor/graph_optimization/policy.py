@@ -24,7 +24,9 @@ than comparing names. Every graph it turns off carries a reason that users can r
    ``max_num_batched_tokens`` (prefill);
 8b. when the graphs are captured: in the background while serving
    (``capture_in_background=true``, the default), unless ``graph_opt_level > 0``, whose
-   ``torch.compile`` of one bucket takes tens of seconds that a step would wait; then, or with
+   ``torch.compile`` of one bucket takes tens of seconds that a step would wait, or on a PD
+   node (``splitwise_role`` prefill or decode), whose KV transfer threads make CUDA calls that a
+   capture would refuse; then, or with
    ``capture_in_background=false``, before serving (see
    :mod:`fastdeploy.model_executor.graph_optimization.capture_order`).
 
@@ -210,7 +212,7 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
         )
     background = False
     if decode or prefill:
-        background, reason = _capture_timing(graph)
+        background, reason = _capture_timing(graph, config.parallel_config.splitwise_role)
         reasons.append(reason)
     return GraphPlan(
         decode_graphs=decode,
@@ -222,8 +224,14 @@ def resolve_graph_plan(config: FDConfig) -> GraphPlan:
     )
 
 
-def _capture_timing(graph) -> tuple[bool, str]:
+def _capture_timing(graph, role: str) -> tuple[bool, str]:
     """Rule 8b: whether the graphs are captured in the background while serving, and why."""
+    if graph.capture_in_background and role != "mixed":
+        return False, (
+            f"graphs captured before serving: splitwise_role={role}; its KV transfer threads "
+            "read and write the KV cache with CUDA calls of their own, which a graph capture on "
+            "the engine's thread would refuse (and be invalidated by)"
+        )
     if not graph.capture_in_background:
         return False, (
             "graphs captured before serving: capture_in_background=false (the engine answers "
