@@ -176,7 +176,10 @@ def run(serve_args: str, max_tokens: int, timeout_s: float) -> Startup:
                 raise RuntimeError(f"the server exited with {proc.returncode}: {shlex.join(cmd)}")
             now = time.monotonic()
             try:
-                if result.health is None and httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                if (
+                    result.health is None
+                    and httpx.get(f"{url}/health", timeout=1).status_code == 200
+                ):
                     result.health = round(now - t0, 3)
                 if result.health is not None:
                     info = httpx.get(f"{url}/v1/server_info", timeout=5).json()
@@ -246,10 +249,17 @@ def report(r: Startup) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS,
-                   help=f"arguments of fastdeploy serve (default: {DEFAULT_SERVE_ARGS!r})")
-    p.add_argument("--max-tokens", type=int, default=256,
-                   help="tokens of the request sent at start (default: 256)")
+    p.add_argument(
+        "--serve-args",
+        default=DEFAULT_SERVE_ARGS,
+        help=f"arguments of fastdeploy serve (default: {DEFAULT_SERVE_ARGS!r})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="tokens of the request sent at start (default: 256)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds (default: 900)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     args = p.parse_args(argv)  # fmt: skip

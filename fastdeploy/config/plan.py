@@ -172,7 +172,11 @@ class GraphPlan:
             f"{sizes(self.prefill_graphs, self.prefill_capture_sizes)}",
         ]
         if self.any_graphs:
-            when = "in the background while serving" if self.capture_in_background else "before serving"
+            when = (
+                "in the background while serving"
+                if self.capture_in_background
+                else "before serving"
+            )
             lines.append(f"capture: {when}")
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)

@@ -8,9 +8,10 @@ many as they like without "duplicated timeseries" errors. Names follow FastDeplo
 (attribute, type, name, help, labels, buckets); a new series is a new row.
 
 Latencies are in seconds. The engine-side numbers (running/waiting requests, KV cache usage, steps
-by graph mode, padded tokens, CUDA graphs captured/total/failed, preemptions, the host KV tier's hits, swap-ins and stores) come from
-``LLMEngine.get_stats()`` snapshots; the engine reports counts cumulatively, so
-:meth:`ServerMetrics.observe_stats` adds the difference to the Prometheus counters.
+by graph mode, padded tokens, CUDA graphs captured/planned/failed, start-up phases, preemptions,
+the host KV tier's hits, swap-ins and stores) come from ``LLMEngine.get_stats()`` snapshots; the
+engine reports counts cumulatively, so :meth:`ServerMetrics.observe_stats` adds the difference
+to the Prometheus counters.
 
 :meth:`ServerMetrics.render` also exports vLLM's names for the series that fleet layers read
 (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ...): they are copies made from the

@@ -159,7 +159,9 @@ class GPUModelRunner:
     def capture_decode_bucket(self, b: int) -> None:
         """Capture the full graph of decode bucket ``b``: ``b`` one-token requests with one
         token of history, sharing the null block (see :meth:`capture_prefill_bucket`)."""
-        sched = dummy_step([1] * b, self.buffers.block_size, history=1, share_block=True, first_block=0)
+        sched = dummy_step(
+            [1] * b, self.buffers.block_size, history=1, share_block=True, first_block=0
+        )
         inputs = self.buffers.prepare(sched, padded=b)
         meta = ForwardMeta(
             self.attn_backend, None, self.kv_caches, slot_mapping=inputs.batch.slot_mapping

@@ -278,7 +278,9 @@ class GpuWorker:
         # first phase's largest prefill bucket's activations come on top (capture_order).
         head = 0
         if plan.capture_in_background and max_tokens:
-            first = max((n for n in plan.prefill_capture_sizes if n <= FIRST_PREFILL_MAX), default=0)
+            first = max(
+                (n for n in plan.prefill_capture_sizes if n <= FIRST_PREFILL_MAX), default=0
+            )
             head = activations * first // max_tokens if first < max_tokens else 0
         return 2 * activations + head + (max_tokens * width + logits) * elem + (256 << 20)
 
@@ -490,8 +492,7 @@ class GpuWorker:
             graphs.capture_seconds = progress.seconds
             stats = progress.stats()
             logger.info(
-                "background capture done: %d of %d graphs captured, %d failed, %.2f s of "
-                "capture%s",
+                "background capture done: %d of %d graphs captured, %d failed, %.2f s of capture%s",
                 stats["captured"],
                 stats["total"],
                 stats["failed"],

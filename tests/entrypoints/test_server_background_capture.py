@@ -67,7 +67,9 @@ def test_health_is_ready_and_requests_answer_while_graphs_are_captured():
         )
         info = get_json(url, "/v1/server_info")["stats"]["graph_capture"]
         assert (info["captured"], info["failed"], info["total"]) == (4, 1, 5)
-        assert info["failures"] == [{"kind": "decode", "size": 2, "reason": "OutOfMemoryError: fake"}]
+        assert info["failures"] == [
+            {"kind": "decode", "size": 2, "reason": "OutOfMemoryError: fake"}
+        ]
         samples = metric_samples(url)
         assert samples[("fastdeploy:cuda_graph_buckets_captured", ())] == 4
         assert samples[("fastdeploy:cuda_graph_buckets_planned", ())] == 5

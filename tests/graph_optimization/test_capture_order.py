@@ -89,10 +89,12 @@ def test_a_bucket_replays_only_after_its_capture_returned_and_a_failed_one_never
     assert progress.is_ready("piecewise", 1024) and progress.is_ready("full", 16)
     assert not progress.is_ready("full", 4) and progress.is_ready("eager", None)
     stats = progress.stats()
+    oom = "OutOfMemoryError: CUDA out of memory"
     assert stats == {
         "background": True, "total": 4, "captured": 3, "failed": 1, "done": True,
-        "seconds": 1.25, "seconds_by_phase": {"1": 0.75, "2": 0.5}, "by_kind": {"prefill": [2, 2], "decode": [1, 2]},
-        "failures": [{"kind": "decode", "size": 4, "reason": "OutOfMemoryError: CUDA out of memory"}],
+        "seconds": 1.25, "seconds_by_phase": {"1": 0.75, "2": 0.5},
+        "by_kind": {"prefill": [2, 2], "decode": [1, 2]},
+        "failures": [{"kind": "decode", "size": 4, "reason": oom}],
     }  # fmt: skip
 
 

@@ -295,7 +295,11 @@ def test_a_bucket_another_rank_failed_is_dropped_here_too(llm, eager, monkeypatc
         assert graphs.captures == [("decode", 4)] and ("decode", 4) not in graphs.stored
         stats = engine.get_stats()["graph_capture"]
         assert stats["failures"] == [
-            {"kind": "decode", "size": 4, "reason": "capture failed on another tensor-parallel rank"}
+            {
+                "kind": "decode",
+                "size": 4,
+                "reason": "capture failed on another tensor-parallel rank",
+            }
         ]
         assert generate(llm) == eager and graphs.replays == []  # bucket 4 stays eager
     finally:

@@ -140,7 +140,9 @@ class CaptureProgress:
 
     tasks: list[CaptureTask]
     background: bool = True
-    ready: dict[str, frozenset[int]] = field(default_factory=lambda: dict.fromkeys(KINDS, frozenset()))
+    ready: dict[str, frozenset[int]] = field(
+        default_factory=lambda: dict.fromkeys(KINDS, frozenset())
+    )
     failures: list[CaptureFailure] = field(default_factory=list)
     seconds: float = 0.0
     seconds_by_phase: dict[str, float] = field(default_factory=dict)
