@@ -74,6 +74,13 @@ def test_serve_chat_with_full_and_piecewise_graphs(tmp_path):
         info = httpx.get(url + "/v1/server_info", timeout=10).json()
         plan = info["deployment_plan"]["graph"]
         assert plan["decode_graphs"] and plan["prefill_graphs"], plan
+        # Ready before the graphs are captured (issue #47): wait for them, so that the steps
+        # below replay graphs.
+        while not info["stats"]["graph_capture"]["done"]:
+            assert time.monotonic() < deadline, info["stats"]["graph_capture"]
+            time.sleep(0.2)
+            info = httpx.get(url + "/v1/server_info", timeout=10).json()
+        assert info["stats"]["graph_capture"]["failed"] == 0, info["stats"]["graph_capture"]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = {
             "model": model,

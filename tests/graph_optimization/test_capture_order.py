@@ -31,8 +31,8 @@ def order(tasks: list[CaptureTask]) -> list[tuple[str, int, int]]:
 def test_the_docstring_example():
     got = background_order(plan([1024, 512, 16], [16, 8, 1]), capture_logits=False)
     assert order(got) == [
-        ("prefill", 512, 1), ("prefill", 16, 1), ("decode", 8, 1), ("decode", 1, 1),
-        ("prefill", 1024, 2), ("decode", 16, 2),
+        ("decode", 8, 1), ("decode", 1, 1), ("prefill", 512, 1), ("prefill", 16, 1),
+        ("decode", 16, 2), ("prefill", 1024, 2),
     ]  # fmt: skip
 
 
@@ -51,7 +51,7 @@ def test_the_default_ladders_put_what_traffic_needs_first_and_keep_largest_first
     assert max(t.size for t in first if t.kind == "prefill") == 512
     for phase in (1, 2):
         kinds = [t.kind for t in tasks if t.phase == phase]
-        assert kinds == sorted(kinds, key=["prefill", "decode", "sampled"].index)
+        assert kinds == sorted(kinds, key=["decode", "prefill", "sampled"].index)
         for kind in ("prefill", "decode", "sampled"):
             sizes = [t.size for t in tasks if t.phase == phase and t.kind == kind]
             assert sizes == sorted(sizes, reverse=True) and sizes  # largest first

@@ -204,8 +204,8 @@ def test_requests_are_served_while_buckets_switch_one_by_one(llm, eager, backgro
     while engine.graph_capture_pending():
         engine.capture_next_graph()
     assert graphs.captures == [
-        ("prefill", 512), ("prefill", 64), ("prefill", 16),
         ("decode", 8), ("decode", 4), ("decode", 2), ("decode", 1),
+        ("prefill", 512), ("prefill", 64), ("prefill", 16),
         ("prefill", 1024),
     ]  # fmt: skip
     assert graphs.phases == 2 and not graphs.window  # the second phase began; window closed

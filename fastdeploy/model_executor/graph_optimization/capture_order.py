@@ -12,9 +12,10 @@ device alone and a step never sees a half-built graph.
 
 Order (:func:`background_order`): phase 1 is what traffic needs first, decode buckets of at most
 :data:`FIRST_DECODE_MAX` requests and prefill buckets of at most :data:`FIRST_PREFILL_MAX`
-tokens; phase 2 is the rest. Within a phase, prefill buckets come first (a request's first step
-is a prefill), then decode buckets, then the sampled-row graphs of that phase's decode sizes,
-each kind largest first: the graphs share one memory pool, and a smaller graph captured after a
+tokens; phase 2 is the rest. Within a phase, decode buckets come first (few and cheap, and a
+request runs one decode step per token but one prefill), then prefill buckets, then the
+sampled-row graphs of that phase's decode sizes (they need a piecewise bucket), each kind
+largest first: the graphs share one memory pool, and a smaller graph captured after a
 larger one reuses the blocks the larger one freed, so the pool grows only at the first (largest)
 bucket of each kind in each phase (the phase-2 head then grows it past what phase 1 took; the
 worker's graph-memory estimate counts that). The blocking order (:func:`blocking_order`) is one
@@ -95,14 +96,16 @@ def background_order(
 ) -> list[CaptureTask]:
     """Every task in background order (module docstring): phase 1 the decode buckets
     ``<= first_decode_max`` and prefill buckets ``<= first_prefill_max`` (and the sampled-row
-    graphs ``<= first_decode_max``), phase 2 the rest; within a phase prefill, decode, sampled,
+    graphs ``<= first_decode_max``), phase 2 the rest; within a phase decode, prefill, sampled,
     each largest first.
 
     Example: prefill ``[1024, 512, 16]``, decode ``[16, 8, 1]``, no logits graphs ->
-    prefill 512, 16, decode 8, 1 (phase 1), then prefill 1024, decode 16 (phase 2).
+    decode 8, 1, prefill 512, 16 (phase 1), then decode 16, prefill 1024 (phase 2).
     """
     limits = {"prefill": first_prefill_max, "decode": first_decode_max, "sampled": first_decode_max}
-    tasks = blocking_order(plan, capture_logits)
+    rank = {"decode": 0, "prefill": 1, "sampled": 2}
+    # blocking_order is largest first per kind; a stable sort by kind keeps that.
+    tasks = sorted(blocking_order(plan, capture_logits), key=lambda t: rank[t.kind])
     first = [CaptureTask(t.kind, t.size, 1) for t in tasks if t.size <= limits[t.kind]]
     rest = [CaptureTask(t.kind, t.size, 2) for t in tasks if t.size > limits[t.kind]]
     return first + rest

@@ -245,6 +245,6 @@ def _capture_timing(graph, role: str) -> tuple[bool, str]:
         )
     return True, (
         "graphs captured in the background while serving (capture_in_background=true): a step "
-        "whose bucket is not captured yet runs eagerly; decode buckets <= 8 and prefill buckets "
-        "<= 512 tokens first"
+        "whose bucket is not captured yet runs eagerly; decode buckets <= 8 requests and "
+        "prefill buckets <= 512 tokens first"
     )
