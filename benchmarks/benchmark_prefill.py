@@ -232,7 +232,10 @@ def build_engine(args, model_dir: str, tokens: list[int], **engine_kwargs) -> LL
         skip_tokenizer_init=True,
     )
     engine_args = dataclasses.replace(engine_args, **engine_kwargs)
-    return LLMEngine.from_engine_args(engine_args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    while engine.graph_capture_pending():  # every graph before the timed steps (issue #47)
+        engine.capture_next_graph()
+    return engine
 
 
 def main() -> None:

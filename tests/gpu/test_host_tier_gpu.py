@@ -74,6 +74,8 @@ def make_engine(model_dir: str, mode: str) -> LLMEngine:
         graph_optimization_config={
             "cudagraph_capture_sizes": [1, 8, NUM_REQS],
             "cudagraph_capture_sizes_prefill": [512],
+            # before the first step: the TTFTs measured here must not include captures
+            "capture_in_background": False,
         },
     )
     return LLMEngine.from_engine_args(args)
