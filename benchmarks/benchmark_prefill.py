@@ -233,8 +233,7 @@ def build_engine(args, model_dir: str, tokens: list[int], **engine_kwargs) -> LL
     )
     engine_args = dataclasses.replace(engine_args, **engine_kwargs)
     engine = LLMEngine.from_engine_args(engine_args)
-    while engine.graph_capture_pending():  # every graph before the timed steps (issue #47)
-        engine.capture_next_graph()
+    engine.finish_graph_capture()  # every graph before the timed steps (issue #47)
     return engine
 
 

@@ -441,6 +441,12 @@ class LLMEngine:
             self.capture_pacer.record(done["seconds"])
         return done
 
+    def finish_graph_capture(self) -> None:
+        """Capture every graph a background capture has left, now (offline use: ``LLM``, and
+        benchmarks that time replayed steps)."""
+        while self.graph_capture_pending():
+            self.capture_next_graph()
+
     def set_wakeup(self, wakeup) -> None:
         """Call ``wakeup()`` from another thread when background work ends (a pull finished),
         so a loop idling between steps steps again at once."""

@@ -36,8 +36,7 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(args)
         # A batch job has no client waiting for its first second: finish the CUDA graphs that a
         # background capture (the plan's default, issue #47) left, so every batch replays them.
-        while self.engine.graph_capture_pending():
-            self.engine.capture_next_graph()
+        self.engine.finish_graph_capture()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

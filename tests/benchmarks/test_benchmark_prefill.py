@@ -80,8 +80,15 @@ def test_engine_holds_the_decode_context_when_every_prompt_is_shorter(tmp_path, 
     from the prompts alone (65 tokens, 2 blocks of 64) and a 512-token decode request needs 8."""
     bench_mod = load_benchmark()
     built = []
+
+    class Built:  # what build_engine calls on the engine it built
+        def finish_graph_capture(self):
+            pass
+
     monkeypatch.setattr(
-        bench_mod.LLMEngine, "from_engine_args", classmethod(lambda cls, a: built.append(a))
+        bench_mod.LLMEngine,
+        "from_engine_args",
+        classmethod(lambda cls, a: built.append(a) or Built()),
     )
     args = bench_mod.argparse.Namespace(
         graph_opt_level=0, capture_sizes="tokens", dtype="float32", max_num_seqs=4,
