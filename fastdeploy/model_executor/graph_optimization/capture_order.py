@@ -165,6 +165,7 @@ class CaptureProgress:
         if task != self.next_task():
             raise RuntimeError(f"capture of {task} out of order; next is {self.next_task()}")
         self._next += 1
+        self._stats = None
         self.seconds += seconds
         key = str(task.phase)
         self.seconds_by_phase[key] = self.seconds_by_phase.get(key, 0.0) + seconds
@@ -193,12 +194,22 @@ class CaptureProgress:
         kind = KIND_OF_MODE.get(mode)
         return kind is None or bucket in self.ready[kind]
 
+    def __post_init__(self) -> None:
+        self._stats: dict | None = None  # cached until the next captured() or failed()
+
     def stats(self) -> dict:
         """For ``get_stats`` (``/v1/server_info``, ``/metrics``): ``background`` (bool),
         ``total``, ``captured``, ``failed`` (tasks), ``done`` (bool), ``seconds`` (float),
         ``seconds_by_phase`` (phase -> float),
         ``by_kind`` (kind -> ``[captured, total]``), ``failures`` (``[{kind, size, reason}]``).
-        A new dict of plain values."""
+        Plain values, built once per change (the engine reads it after every step); a shallow
+        copy: its nested dicts and lists are shared with later calls until the next change, so
+        read them, do not edit them."""
+        if self._stats is None:
+            self._stats = self._build_stats()
+        return dict(self._stats)
+
+    def _build_stats(self) -> dict:
         totals = {k: sum(t.kind == k for t in self.tasks) for k in KINDS}
         return {
             "background": self.background,
