@@ -1,8 +1,9 @@
 """Serving while CUDA graphs are captured (issue #47), on CPU with the default model.
 
 No CUDA graph can be captured here, so :class:`SlowGraphs` stands in for ``CudaGraphRunner``: its
-capture of a bucket runs the model once, eagerly, on the dummy step the runner prepared (as a
-capture's warm-up does, writing that step's K/V where the runner points it), sleeps, and raises
+capture of a bucket checks that the dummy step the runner prepared writes its K/V into the null
+block only (block 0, never a live request's), runs the model once on it, eagerly (as a capture's
+warm-up does), sleeps, and raises
 for the buckets a test names; its replay runs the model eagerly on the padded inputs (what a replay
 computes) and checks that the bucket was fully captured. The engine's worker then captures through
 ``GpuWorker.capture_next_graph``, between steps, as on the GPU.
@@ -62,6 +63,10 @@ class SlowGraphs:
 
     def _capture(self, key, input_ids, meta):
         assert self.window, "captured outside the capture window"
+        # The dummy step writes its K/V into the null block only, never a live request's.
+        slots = meta.slot_mapping[: input_ids.numel()]
+        blocks = set((slots[slots >= 0] // self.runner.buffers.block_size).tolist())
+        assert blocks == {0}, f"{key} capture writes into blocks {blocks}"
         self.building = key
         self.captures.append(key)
         if input_ids.numel() <= 64:  # the warm-up run, writing its K/V (the large buckets
