@@ -54,6 +54,16 @@ def _parse_positive_float(name: str, raw: str) -> float:
     return value
 
 
+def _parse_share(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # also rejects nan
+        raise ValueError(f"{name}={raw!r} is invalid; allowed: a number > 0 and <= 1")
+    return value
+
+
 def _parse_log_level(name: str, raw: str) -> str:
     value = raw.strip().upper()
     if value not in LOG_LEVELS:
@@ -194,6 +204,18 @@ FD_SKINNY_GEMM_PDL = EnvVar(
     "decode at batch 1: Llama-3-8B 4.52 -> 4.44 ms, SmolLM2-135M 1.05 -> 0.85 for the GEMM; the "
     "RoPE kernel's decode graph 4.24 -> 4.17 and 0.82 -> 0.77 ms; it launches so also with "
     "FD_USE_SKINNY_GEMM=0). 0: plain launches. Read once per process and device.",
+)
+
+FD_GRAPH_CAPTURE_BUSY_SHARE = EnvVar(
+    "FD_GRAPH_CAPTURE_BUSY_SHARE",
+    "float",
+    _parse_share,
+    0.5,
+    "While CUDA graphs are captured in the background (capture_in_background) and requests "
+    "run, the most of the wall clock that capture may take: after a capture of c seconds the "
+    "engine runs steps for c * (1 - share) / share seconds before the next. Higher finishes "
+    "capture sooner under load, lower keeps the time per token closer to steady state; an "
+    "idle engine always captures back to back.",
 )
 
 FD_GC_FREEZE = EnvVar(

@@ -106,7 +106,7 @@ class LLMEngine:
     Raises:
         ValueError: a setting not supported yet, a bad plan, a device this machine lacks, a KV
             pool too small for any request, or ``FD_GC_FREEZE`` not a boolean (checked before
-            the model loads).
+            the model loads), or ``FD_GRAPH_CAPTURE_BUSY_SHARE`` outside (0, 1].
     """
 
     #: Set by start-up; None until then (and on a ``mixed`` node), so shutdown works on a
@@ -138,6 +138,7 @@ class LLMEngine:
         config.check_supported()
         check_device_available(config.device_config.device)
         gc_freeze = envs.FD_GC_FREEZE()  # a bad value fails here, before the model loads
+        self._capture_busy_share = envs.FD_GRAPH_CAPTURE_BUSY_SHARE()  # likewise
         # An earlier engine's frozen heap (one dropped without shutdown) is collected before
         # this one sizes its KV cache from the free memory.
         unfreeze_heap(collect=True)
@@ -230,7 +231,7 @@ class LLMEngine:
         self.last_step_idle = False
         from fastdeploy.model_executor.graph_optimization.capture_order import GapPacer
 
-        self.capture_pacer = GapPacer()
+        self.capture_pacer = GapPacer(self._capture_busy_share)
         self.kv_layout = engine_kv_layout(
             config,
             self.source.path,
@@ -473,7 +474,8 @@ class LLMEngine:
 
         While graphs are captured in the background, one graph is captured first when the
         capture pacer (:class:`~fastdeploy.model_executor.graph_optimization.capture_order.
-        GapPacer`) allows: capture takes at most half the wall time while requests run.
+        GapPacer`) allows: capture takes at most ``FD_GRAPH_CAPTURE_BUSY_SHARE`` (default half)
+        of the wall time while requests run.
 
         A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
         the scheduler (its KV blocks freed) before this returns. With KV-cache events on, the

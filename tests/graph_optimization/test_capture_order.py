@@ -138,3 +138,16 @@ def test_the_pacer_gives_capture_half_the_time_while_busy_and_all_of_it_while_id
     for bad in (0, 1.5, -0.1):
         with pytest.raises(ValueError, match="busy_share"):
             GapPacer(bad)
+
+
+def test_the_busy_share_comes_from_the_environment_and_is_checked(monkeypatch):
+    from fastdeploy import envs
+
+    monkeypatch.setenv("FD_GRAPH_CAPTURE_BUSY_SHARE", "0.25")
+    assert envs.FD_GRAPH_CAPTURE_BUSY_SHARE() == 0.25
+    for bad in ("0", "1.5", "half", "nan"):
+        monkeypatch.setenv("FD_GRAPH_CAPTURE_BUSY_SHARE", bad)
+        with pytest.raises(ValueError, match="FD_GRAPH_CAPTURE_BUSY_SHARE=.*> 0 and <= 1"):
+            envs.FD_GRAPH_CAPTURE_BUSY_SHARE()
+    monkeypatch.delenv("FD_GRAPH_CAPTURE_BUSY_SHARE")
+    assert envs.FD_GRAPH_CAPTURE_BUSY_SHARE() == 0.5
