@@ -402,6 +402,7 @@ class GpuWorker:
                 for task in progress.tasks:
                     progress.captured(task)
                 progress.seconds = graphs.capture_seconds
+                progress.seconds_by_phase = {"1": graphs.capture_seconds}
                 self.capture_progress = progress
                 self.startup_seconds["capture_before_serving"] = time.perf_counter() - start
         self.runner.reset_sampling_state()
