@@ -245,12 +245,25 @@ def test_piecewise_segments_copy_nothing_between_layers(llm):
 
 
 def test_no_capture_outside_warm_up(llm):
+    """The capture order of background capture (the default; the offline LLM finishes it before
+    its first batch): phase 1 (decode <= 8 requests, prefill <= 512 tokens) before phase 2;
+    within a phase decode before prefill, each largest first (capture_order.py)."""
     graphs = llm.engine.worker.runner.graph_runner
-    kinds = [k for k, _ in graphs.capture_log]
-    assert kinds == sorted(kinds, key=lambda k: k != "prefill")  # prefill first, then decode
-    for kind in ("prefill", "decode"):
-        sizes = [s for k, s in graphs.capture_log if k == kind]
-        assert sizes == sorted(sizes, reverse=True)
+    log = [(k, s) for k, s in graphs.capture_log if k in ("prefill", "decode")]
+    assert {k for k, _ in log} == {"prefill", "decode"}
+
+    def phase(kind, size):
+        return 1 if size <= (8 if kind == "decode" else 512) else 2
+
+    phases = [phase(k, s) for k, s in log]
+    assert phases == sorted(phases)
+    for p in (1, 2):
+        part = [(k, s) for (k, s), ph in zip(log, phases) if ph == p]
+        kinds = [k for k, _ in part]
+        assert kinds == sorted(kinds, key=lambda k: k != "decode")  # decode first, then prefill
+        for kind in ("prefill", "decode"):
+            sizes = [s for k, s in part if k == kind]
+            assert sizes == sorted(sizes, reverse=True)
     with pytest.raises(RuntimeError, match="outside warm-up"):
         graphs.capture_full_decode(1, None, None, None, None)
 
