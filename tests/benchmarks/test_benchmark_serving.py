@@ -74,9 +74,9 @@ def test_warmup_prompts_are_never_timed_prompts():
     sent = []
     real = bench.run_one
 
-    async def recording(client, url, model, prompt, max_tokens):
+    async def recording(client, url, model, prompt, max_tokens, fields=None):
         sent.append(tuple(prompt))
-        return await real(client, url, model, prompt, max_tokens)
+        return await real(client, url, model, prompt, max_tokens, fields)
 
     bench.run_one = recording
     with serve_in_thread(FakeEngine(step_delay_s=0.001)) as (url, _):
