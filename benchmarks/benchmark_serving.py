@@ -9,8 +9,9 @@ One command (any server with ``/v1/completions``: ours, vLLM, SGLang, a router):
 Prompts are random token ids (a fixed ``--seed``) sent as token-id prompts, so no tokenizer is
 needed and every server sees the same input lengths; ``--range-ratio r`` draws each length
 uniformly from ``[len * (1 - r), len * (1 + r)]``. Every request streams with ``ignore_eos`` and
-``max_tokens`` set, so the output length is what was asked (but see ``--json-schema`` below). Either ``--concurrency N`` clients
-run back to back, or requests arrive as a Poisson process of ``--request-rate`` per second.
+``max_tokens`` set, so the output length is what was asked (but see ``--json-schema`` below).
+Either ``--concurrency N`` clients run back to back, or requests arrive as a Poisson process of
+``--request-rate`` per second.
 
 Metrics follow the field's definitions (as vLLM's and SGLang's serving benchmarks report them):
 
