@@ -2,7 +2,7 @@
 
 One engine request is one sequence, so a front end (the server's ``entrypoints.openai.choices``,
 the offline ``LLM``) fans ``SamplingParams(n=...)`` out into ``n`` requests with
-:func:`choice_params`, and admits them in :data:`ADMISSION_ORDER`: choice 0 of a prompt first,
+:func:`choice_params`, and admits them in this order: choice 0 of a prompt first,
 its ``n - 1`` siblings once choice 0's first output arrived. The engine caches a full KV block
 in the prefix cache only after a step wrote it, so siblings admitted in the same step would each
 prefill the whole prompt; admitted after choice 0's first token they find every full block of the
@@ -20,10 +20,6 @@ from fastdeploy.core.sampling_params import SamplingParams
 
 #: Choice seeds wrap at the range of a generator's seed (``SamplingParams.seed < 2**64``).
 SEED_MODULUS = 2**64
-
-#: When each choice is admitted (for docs and tests): choice 0 at once, the others after the
-#: first output of choice 0.
-ADMISSION_ORDER = "choice 0 first; choices 1..n-1 after choice 0's first output"
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
