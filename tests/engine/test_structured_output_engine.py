@@ -98,3 +98,28 @@ def test_a_spec_that_does_not_parse_is_refused_at_add_request(on):
         on.generate("x", params(StructuredOutputsParams(regex="a(b")), use_tqdm=False)
     on.engine.check_integrity()
     assert not on.engine.scheduler.has_unfinished_requests()
+
+
+def test_overlap_defers_the_mask_until_the_forward_is_queued(on, off, monkeypatch):
+    """With a step in flight, a grammar step launches with a callable mask: the runner queues
+    the forward first and builds the mask after it, once per step; output is unchanged."""
+    grammars, runner = on.engine.grammars, on.engine.worker.runner
+    events = []
+    forward, bitmask = runner.forward, grammars.bitmask
+
+    def spy_forward(sched, *a, **kw):
+        events.append("forward-deferred" if callable(sched.grammar_bitmask) else "forward")
+        return forward(sched, *a, **kw)
+
+    def spy_bitmask(sched):
+        events.append("mask")
+        return bitmask(sched)
+
+    monkeypatch.setattr(runner, "forward", spy_forward)
+    monkeypatch.setattr(grammars, "bitmask", spy_bitmask)
+    got = run(on, MIXED)
+    assert [o.token_ids for o in got] == [o.token_ids for o in run(off, MIXED)]
+    deferred = [i for i, e in enumerate(events) if e == "forward-deferred"]
+    assert len(deferred) >= 10, events  # every decode step of the grammar rows but the first
+    for i in deferred:  # its mask is built after its forward, before the next step's forward
+        assert events[i + 1] == "mask", events[i - 2 : i + 3]
