@@ -123,3 +123,21 @@ def test_overlap_defers_the_mask_until_the_forward_is_queued(on, off, monkeypatc
     assert len(deferred) >= 10, events  # every decode step of the grammar rows but the first
     for i in deferred:  # its mask is built after its forward, before the next step's forward
         assert events[i + 1] == "mask", events[i - 2 : i + 3]
+
+
+def test_threaded_batch_fill_equals_the_row_loop(monkeypatch):
+    """From BATCH_FILL_MIN_ROWS grammar rows on, the mask is filled by xgrammar's threaded batch
+    matcher: ten seeded schema requests at once give the same tokens as with the row loop."""
+    from fastdeploy.engine import structured_output
+
+    so = StructuredOutputsParams(json=SCHEMA)
+    sampling = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=so)
+                for i in range(10)]  # fmt: skip
+    asks = [ASK[0]] * 10
+    on = LLM(**{**ENGINE, "max_num_seqs": 16})
+    batched = [o.outputs[0].token_ids for o in on.chat(asks, sampling, use_tqdm=False)]
+    assert on.engine.grammars._batch_fill is not None  # the threaded fill ran
+    monkeypatch.setattr(structured_output, "BATCH_FILL_MIN_ROWS", 10**9)
+    looped = [o.outputs[0].token_ids for o in on.chat(asks, sampling, use_tqdm=False)]
+    assert batched == looped
+    assert len({tuple(t) for t in batched}) > 1  # the seeds differ, so the samples do
