@@ -226,7 +226,11 @@ def test_n_choices_parse_each(server):
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "nope",
+        ),
         ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},

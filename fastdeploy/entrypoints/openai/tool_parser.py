@@ -18,7 +18,8 @@ Rules (facts from vLLM v0.11's hermes parser and OpenAI's stream, our own code):
 * Ids are ``chatcmpl-tool-<32 hex>``; ``arguments`` is a JSON string.
 * Streamed (:class:`HermesStreamParser`): text before a call streams as content, holding back
   only a tail that may be the start of ``<tool_call>``; a call's first delta carries
-  ``index``, ``id``, ``type``, ``function.name`` and ``arguments: ""`` once its name is read;
+  ``index``, ``id``, ``type``, ``function.name`` and ``arguments: ""`` once its name and the
+  ``{`` of its arguments are read;
   later deltas carry ``function.arguments`` fragments (the model's own text of the arguments,
   which concatenate to valid JSON when the call closes). A tag whose name never parses is
   flushed as content when the output ends.
@@ -203,9 +204,12 @@ class HermesStreamParser:
             whole = _call_of(body, self.names) if closed and head is None else None
             if whole is not None and not self._done:  # a call in another key order: at once
                 self._start_call(out, whole.name)
-                out.tool_calls[-1]["function"]["arguments"] = whole.arguments
+                out.tool_calls.append(
+                    {"index": self.num_calls - 1, "function": {"arguments": whole.arguments}}
+                )
                 return
-            if head is None or name not in self.names or self._done:
+            value = body[head.end() :].lstrip() if head else ""
+            if head is None or name not in self.names or self._done or value[:1] != "{":
                 if closed:  # never a call: its text goes out as content (unless after one)
                     self._emit_text(out, CALL_BEGIN + body + CALL_END)
                 return
