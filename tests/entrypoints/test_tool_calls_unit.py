@@ -26,7 +26,10 @@ from fastdeploy.entrypoints.openai.tool_request import (
 )
 
 NAMES = ("get_weather", "get_time")
-CALL_1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "n": {"a": [1, 2]}}}\n</tool_call>'
+CALL_1 = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "n": {"a": [1, 2]}}}'
+    "\n</tool_call>"
+)
 CALL_2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 OUTPUTS = [
     "Just text, with <b>tags</b> and a < sign.",
