@@ -96,6 +96,8 @@ def streamed(client, **kw) -> dict[int, dict]:
             got = out.setdefault(c.index, {"content": "", "reason": None, "calls": {}})
             got["content"] += c.delta.content or ""
             got["reason"] = c.finish_reason or got["reason"]
+            indices = [d.index for d in c.delta.tool_calls or []]
+            assert len(indices) == len(set(indices)), c  # one entry per call in a chunk
             for d in c.delta.tool_calls or []:
                 if d.index not in got["calls"]:  # the first delta of a call
                     assert d.id.startswith("chatcmpl-tool-") and d.type == "function", d

@@ -392,3 +392,26 @@ def test_template_choice_and_rendering(tokenizer):
         ("get_weather", {"city": "Rome"}),
         ("get_time", {}),
     ]
+
+
+def test_delta_parts_one_entry_per_call_a_chunk():
+    parser = HermesStreamParser(NAMES)
+    step = parser.feed('Hi<tool_call>\n{"name": "get_time", "arguments": {"tz"')
+    step.tool_calls += parser.feed(': "UTC"').tool_calls
+    (first, first_calls), (second, second_calls) = step.parts()
+    assert first == "Hi" and [set(c) for c in first_calls] == [{"index", "id", "type", "function"}]
+    assert second == "" and second_calls == [
+        {"index": 0, "function": {"arguments": '{"tz": "UTC"'}}
+    ]
+
+
+def test_server_flags_checked_at_start_up():
+    from fastdeploy.entrypoints.server_args import check_server_args, make_arg_parser, tool_config
+
+    parser = make_arg_parser()
+    with pytest.raises(ValueError, match="--tool-call-parser=pythonic is invalid; allowed: hermes"):
+        check_server_args(parser.parse_args(["--tool-call-parser", "pythonic"]))
+    args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    check_server_args(args)
+    assert tool_config(args) == ToolServingConfig(True, "hermes", None)
+    assert tool_config(parser.parse_args([])) == ToolServingConfig()

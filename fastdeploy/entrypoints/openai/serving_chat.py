@@ -245,24 +245,18 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(self.token_bytes, comp.delta_logprobs)
             reason = comp.finish_reason if ro.finished else None
             parser = parsers.get(ro.request_id)
-            if parser is None:
-                delta = f'{{"content": {to_json(comp.delta_text)}}}'
-                has_delta = bool(comp.delta_text)
-            else:
-                step = parser.feed(comp.delta_text)
-                if ro.finished:
-                    tail = parser.finish()
-                    step.content += tail.content
-                    step.tool_calls += tail.tool_calls
-                    if parser.num_calls:
-                        reason = "tool_calls"
-                fields = []
-                if step.content or not step.tool_calls:
-                    fields.append(f'"content": {to_json(step.content)}')
-                if step.tool_calls:
-                    fields.append(f'"tool_calls": {to_json(step.tool_calls)}')
-                delta = "{" + ", ".join(fields) + "}"
-                has_delta = bool(step)
+            if parser is not None:
+                return parsed_events(
+                    template,
+                    index_of[ro.request_id],
+                    parser,
+                    comp.delta_text,
+                    ro.finished,
+                    reason,
+                    logprobs,
+                )
+            delta = f'{{"content": {to_json(comp.delta_text)}}}'
+            has_delta = bool(comp.delta_text)
             if not (has_delta or ro.finished or logprobs):
                 return ""
             lp = "null" if logprobs is None else f'{{"content": {to_json(logprobs)}}}'
@@ -276,3 +270,46 @@ class OpenAIServingChat(OpenAIServing):
 
         roles = "".join(template.choice(ROLE_FIELDS, c.index) for c in choices)
         return stream_events(stream, render, closing, first=roles)
+
+
+def parsed_events(
+    template: ChunkTemplate,
+    index: int,
+    parser: HermesStreamParser,
+    delta_text: str,
+    finished: bool,
+    reason: str | None,
+    logprobs: list[Any] | None,
+) -> str:
+    """The chunks of one step of a choice whose text goes through a tool call ``parser``:
+    ``content`` and/or ``tool_calls`` deltas (:meth:`StreamDelta.parts`: one chunk per part),
+    the logprobs on the first chunk, the finish ``reason`` of a ``finished`` choice
+    (``tool_calls`` when it made calls, unless ``length`` cut it) on the last; "" when there is
+    nothing to send."""
+    step = parser.feed(delta_text)
+    if finished:
+        tail = parser.finish()
+        step.content += tail.content
+        step.tool_calls += tail.tool_calls
+        if parser.num_calls and reason != "length":  # a call cut off stays visible as such
+            reason = "tool_calls"
+    if not (step or finished or logprobs):
+        return ""
+    parts = step.parts()
+    events = []
+    for i, (content, calls) in enumerate(parts):
+        fields = []
+        if content or not calls:
+            fields.append(f'"content": {to_json(content)}')
+        if calls:
+            fields.append(f'"tool_calls": {to_json(calls)}')
+        lp = "null" if logprobs is None or i else f'{{"content": {to_json(logprobs)}}}'
+        last = i == len(parts) - 1
+        events.append(
+            template.choice(
+                f'"delta": {{{", ".join(fields)}}}, "logprobs": {lp}, '
+                f'"finish_reason": {to_json(reason if last else None)}',
+                index,
+            )
+        )
+    return "".join(events)

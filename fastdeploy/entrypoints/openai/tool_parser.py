@@ -121,6 +121,26 @@ class StreamDelta:
     def __bool__(self) -> bool:
         return bool(self.content or self.tool_calls)
 
+    def parts(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        """``(content, tool_calls)`` of the chunks this delta is sent as: consecutive argument
+        fragments of a call are joined, and a call's first delta never shares a chunk with its
+        fragments (as OpenAI streams: one entry per call index in a chunk). The content goes
+        with the first chunk."""
+        parts: list[tuple[str, list[dict[str, Any]]]] = [(self.content, [])]
+        for call in self.tool_calls:
+            calls = parts[-1][1]
+            last = calls[-1] if calls else None
+            if last is not None and last["index"] == call["index"]:
+                if "id" in last or "id" in call:
+                    parts.append(("", [dict(call)]))
+                    continue
+                last["function"] = {
+                    "arguments": last["function"]["arguments"] + call["function"]["arguments"]
+                }
+                continue
+            calls.append(dict(call))
+        return parts
+
 
 class HermesStreamParser:
     """Streams one choice's output as content and tool call deltas (module docstring).
