@@ -142,7 +142,11 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = getattr(req, max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        plan = plan_tools(req, self.tool_config)
+        if req.tools:  # the grammar is built on the tokenizing thread: the first import of
+            # xgrammar takes seconds, a tool set's first grammar about a millisecond
+            plan = await self.off_loop(plan_tools, req, self.tool_config)
+        else:
+            plan = plan_tools(req, self.tool_config)
         params = sampling_params_from(
             req, max_tokens, logprobs, stop_limits=self.stop_limits, structured_outputs=plan.grammar
         )
