@@ -281,6 +281,9 @@ def test_grammars_accept_calls_and_only_calls():
     auto = plan(tools=[WEATHER, TIME]).grammar.grammar
     assert accepts(auto, "Just text.") and accepts(auto, "Let me check. " + call)
     assert not accepts(auto, '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>')
+    assert accepts(auto, call + "\n" + other)
+    one = plan(tools=[WEATHER, TIME], parallel_tool_calls=False).grammar.grammar
+    assert accepts(one, "Let me check. " + call) and not accepts(one, call + "\n" + other)
 
 
 def test_message_rules_refuse_with_the_field():
