@@ -94,6 +94,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         self.check_echo(req)
+        for name, neutral in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
+            if getattr(req, name) not in neutral:
+                raise bad_request(
+                    f"{name} is not supported on /v1/completions (tool calling is served by "
+                    "/v1/chat/completions); allowed here: null",
+                    name,
+                )
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
