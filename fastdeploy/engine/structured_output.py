@@ -161,12 +161,17 @@ class StructuredOutputs:
 
     def _rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the reused host mask buffer, set to all ones (every token
-        allowed); the buffer grows to the largest step seen."""
+        allowed); the buffer grows to the largest step seen.
+
+        Always allocated and written in inference mode: the deferred mask is built inside the
+        runner's inference mode and an immediate one outside it, and an inference tensor may
+        not be written in place outside inference mode."""
         words = (self.vocab_size + 31) // 32
-        if self._host_mask is None or self._host_mask.shape[0] < n:
-            self._host_mask = torch.empty((n, words), dtype=torch.int32)
-        mask = self._host_mask[:n]
-        mask.fill_(-1)
+        with torch.inference_mode():
+            if self._host_mask is None or self._host_mask.shape[0] < n:
+                self._host_mask = torch.empty((n, words), dtype=torch.int32)
+            mask = self._host_mask[:n]
+            mask.fill_(-1)
         return mask
 
     def accept_early(self, samplers: list[Request], token_ids: dict[str, int]) -> None:

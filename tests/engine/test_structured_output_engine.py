@@ -141,3 +141,20 @@ def test_threaded_batch_fill_equals_the_row_loop(monkeypatch):
     looped = [o.outputs[0].token_ids for o in on.chat(asks, sampling, use_tqdm=False)]
     assert batched == looped
     assert len({tuple(t) for t in batched}) > 1  # the seeds differ, so the samples do
+
+
+def test_the_mask_buffer_is_writable_in_and_out_of_inference_mode(on):
+    """The deferred mask is built in the runner's inference mode, an immediate one outside it:
+    the reused buffer must take both, in either order and when it grows (a server crashed
+    with 'Inplace update to inference tensor outside InferenceMode')."""
+    import torch
+
+    grammars = on.engine.grammars
+    grammars._host_mask = None
+    with torch.inference_mode():
+        assert grammars._rows(2).eq(-1).all()
+    assert grammars._rows(2).eq(-1).all()
+    assert grammars._rows(6).shape[0] == 6  # grows outside
+    with torch.inference_mode():
+        assert grammars._rows(9).eq(-1).all()  # grows inside
+    assert grammars._rows(3).eq(-1).all()
