@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -67,6 +68,9 @@ class StructuredOutputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler = None
+        #: Called (from the compile thread) when a compile ends: the engine loop's wake-up.
+        self.on_compiled: Any = None
+        self._compiler_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: dict[tuple[str, str], Future] = {}
         self._pending: dict[str, Future] = {}
@@ -82,9 +86,12 @@ class StructuredOutputs:
     def _compile(self, kind: str, spec: str) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        with self._compiler_lock:  # the pool's two threads: one compiler
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         c = self._compiler
         if kind == "json":
             return c.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
@@ -111,9 +118,22 @@ class StructuredOutputs:
         future = self._compiled.get(key)
         if future is None:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-grammar")
+                # Two: one slow compile (they cannot be stopped) leaves one for the others.
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="fd-grammar")
             future = self._compiled[key] = self._pool.submit(self._compile, *key)
         self._pending[request.request_id] = future
+        if not future.done() and self.on_compiled is not None:
+            wake = self.on_compiled
+            future.add_done_callback(lambda _: wake())
+
+    def compile_state(self, request_id: str) -> bool | BaseException:
+        """Whether ``request_id``'s grammar has compiled: True (or no grammar, or its matcher
+        exists), False while compiling, or the exception its compile raised."""
+        future = self._pending.get(request_id)
+        if future is None or not future.done():
+            return future is None
+        error = future.exception()
+        return True if error is None else error
 
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._matchers

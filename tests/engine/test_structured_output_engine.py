@@ -158,3 +158,56 @@ def test_the_mask_buffer_is_writable_in_and_out_of_inference_mode(on):
     with torch.inference_mode():
         assert grammars._rows(9).eq(-1).all()  # grows inside
     assert grammars._rows(3).eq(-1).all()
+
+
+def test_a_slow_compile_never_stalls_the_step_loop(on, monkeypatch):
+    """A request waits outside the scheduler while its grammar compiles: a plain request added
+    after it finishes meanwhile; one whose compile outlasts FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S
+    ends with a ValueError naming the limit; an abort while compiling frees it; a compile that
+    ends in time runs normally."""
+    import threading
+    import time
+
+    eng = on.engine
+    grammars = eng.grammars
+    release = threading.Event()
+    compile_ = grammars._compile
+
+    def slow(kind, spec):
+        release.wait(10)
+        return compile_(kind, spec)
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S", "0.5")
+    ids = eng.tokenizer.encode("Describe the capital of France as JSON.")
+    unique = {**SCHEMA, "description": "slow-compile test"}  # not in the compile cache
+    eng.add_request("slow", ids, params(StructuredOutputsParams(json=unique)))
+    eng.add_request("plain", ids, SamplingParams(temperature=0, max_tokens=8))
+    assert "slow" in eng.compiling and eng.get_stats()["num_waiting"] >= 1
+    outs, start = {}, time.monotonic()
+    while eng.has_unfinished_requests() and time.monotonic() - start < 30:
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["plain"][-1].finished and outs["plain"][-1].error is None
+    slow_out = outs["slow"][-1]
+    assert slow_out.finished and isinstance(slow_out.error, ValueError)
+    assert "FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S" in str(slow_out.error)
+    assert not eng.compiling and not grammars._pending
+    release.set()
+
+    other = {**SCHEMA, "description": "abort test"}
+    release.clear()
+    eng.add_request("gone", ids, params(StructuredOutputsParams(json=other)))
+    assert eng.abort_request("gone") and not eng.compiling and not eng.has_unfinished_requests()
+    release.set()
+
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S", "30")
+    late = {**SCHEMA, "description": "in time"}
+    eng.add_request("late", ids, params(StructuredOutputsParams(json=late)))
+    tokens = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.error is None
+            tokens += o.new_token_ids
+    jsonschema.validate(json.loads(eng.tokenizer.decode(tokens[:-1])), SCHEMA)
+    eng.check_integrity()

@@ -46,7 +46,11 @@ Admit = Callable[[str, int, SamplingParams], RequestStream]
 
 
 def check_n(
-    n: int, num_prompts: int = 1, kv_transfer_params: Any = None, best_of: int | None = None
+    n: int,
+    num_prompts: int = 1,
+    kv_transfer_params: Any = None,
+    best_of: int | None = None,
+    max_choices: int | None = None,
 ) -> None:
     """The rules of ``n`` (and of several prompts, and ``best_of``) for one request.
 
@@ -55,7 +59,10 @@ def check_n(
             when it is neither null nor ``n`` (``best_of > n`` would rank candidates by their
             log-probability, which is not implemented; below ``n`` it is invalid, as in
             OpenAI's API); naming ``n`` (or ``prompt``) when a PD leg (``kv_transfer_params``)
-            asks for more than one choice (one leg is one request).
+            asks for more than one choice (one leg is one request); naming ``n`` (or
+            ``prompt``) when ``num_prompts * n`` exceeds ``max_choices`` (the server's limit of
+            concurrent engine requests: such a request could never be admitted, so it is not a
+            429 to retry).
     """
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n={n} is invalid; allowed: an integer in [1, {MAX_N}]", "n")
@@ -64,6 +71,13 @@ def check_n(
             f"best_of={best_of} is not supported with n={n}; allowed: null or {n} (the "
             "request's n)",
             "best_of",
+        )
+    if max_choices is not None and n * num_prompts > max_choices:
+        raise bad_request(
+            f"{num_prompts} prompt(s) x n={n} = {n * num_prompts} choices is invalid; allowed: "
+            f"at most {max_choices} choices per request (the server's limit of concurrent "
+            "requests, --max-concurrency)",
+            "n" if n > 1 else "prompt",
         )
     if kv_transfer_params is not None and n * num_prompts > 1:
         param = "n" if n > 1 else "prompt"

@@ -150,7 +150,9 @@ class OpenAIServingChat(OpenAIServing):
         params = sampling_params_from(
             req, max_tokens, logprobs, stop_limits=self.stop_limits, structured_outputs=plan.grammar
         )
-        check_n(req.n, 1, req.kv_transfer_params)
+        check_n(
+            req.n, 1, req.kv_transfer_params, None, getattr(self.engine, "max_concurrency", None)
+        )
         prompt, prompt_ids = await self.off_loop(self.render_prompt, req, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
