@@ -418,3 +418,20 @@ def test_server_flags_checked_at_start_up():
     check_server_args(args)
     assert tool_config(args) == ToolServingConfig(True, "hermes", None)
     assert tool_config(parser.parse_args([])) == ToolServingConfig()
+
+
+def test_a_cut_last_call_keeps_the_whole_ones_whole_and_streamed():
+    """An output cut by max_tokens inside its third call: the two whole calls come back, the
+    same two a stream of that output completes (a required answer with parallel calls)."""
+    text = CALL_1 + "\n" + CALL_2 + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Pa}ris", "n": {"a": [1, 2]}}),
+        ("get_time", {}),
+    ]
+    _, streamed = stream(text, [])
+    whole = [c for c in streamed if c["arguments"].endswith("}")]
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole[:2]] == [
+        (c.name, json.loads(c.arguments)) for c in calls
+    ]

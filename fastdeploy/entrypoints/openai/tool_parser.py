@@ -13,8 +13,9 @@ Rules (facts from vLLM v0.11's hermes parser and OpenAI's stream, our own code):
   after calls is dropped.
 * A call is a closed tag whose JSON is an object with a ``name`` among the request's tools and
   an object as ``arguments`` (missing: ``{}``). If any tag is malformed (bad JSON, unknown name,
-  unclosed), :func:`parse_tool_calls` returns the whole output as content, no calls: the client
-  gets what the model wrote, never an error.
+  unclosed with no whole call before it), :func:`parse_tool_calls` returns the whole output as
+  content, no calls: the client gets what the model wrote, never an error. An unclosed tag after
+  whole calls (cut by ``max_tokens``) is dropped and the whole calls kept, as streamed.
 * Ids are ``chatcmpl-tool-<32 hex>``; ``arguments`` is a JSON string.
 * Streamed (:class:`HermesStreamParser`): text before a call streams as content, holding back
   only a tail that may be the start of ``<tool_call>``; a call's first delta carries
@@ -80,7 +81,9 @@ def parse_tool_calls(
 ) -> tuple[str | None, list[ParsedCall]]:
     """``(content, calls)`` of a whole output. Without ``parallel`` only the first call is kept.
 
-    A malformed output (see the module docstring) gives ``(text, [])``.
+    A malformed output (see the module docstring) gives ``(text, [])``; an unclosed call after
+    whole ones (an output cut by ``max_tokens``) is dropped and the whole calls are kept, as the
+    stream sent them.
     """
     start = text.find(CALL_BEGIN)
     if start < 0:
@@ -89,6 +92,8 @@ def parse_tool_calls(
     while pos >= 0:
         end = text.find(CALL_END, pos)
         if end < 0:
+            if calls:  # the last call was cut (max_tokens): the whole ones stand, as streamed
+                break
             return text, []
         call = _call_of(text[pos + len(CALL_BEGIN) : end], names)
         if call is None:
