@@ -6,10 +6,10 @@ Library: xgrammar (PyPI ``xgrammar``; the same one vLLM v0.11 defaults to, see i
 the matchers and ships a ``[rows, ceil(V / 32)]`` int32 bitmask with the step; the runner applies
 it to the logits before sampling), in code of its own:
 
-* compile: :meth:`StructuredOutputs.add` submits ``(kind, spec)`` to a one-thread pool when the
-  request arrives, so compiling overlaps the request's wait and prefill and never runs on the
-  step loop; a request's first sampled step waits for its future only if compiling is slower
-  than its prefill. Compiled grammars are cached by ``(kind, spec)`` (a dict of futures, so
+* compile: :meth:`StructuredOutputs.add` submits ``(kind, spec)`` to a compile thread when the
+  request arrives; the request waits outside the scheduler until the compile has ended (the
+  engine's ``compiling``; a 400 after ``FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S``), so the step
+  loop never waits for a compile and other requests run meanwhile. Compiled grammars are cached by ``(kind, spec)`` (a dict of futures, so
   concurrent requests with one schema compile it once; xgrammar's compiler caches too).
   Why compile here and ship specs, not compiled grammars: a ``CompiledGrammar`` can be
   serialized (``serialize_json``) but carries its per-token mask cache (megabytes for a 49k
@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 #: Grammar rows from which a step's mask is filled by several threads (fewer: a loop, which
 #: costs about 10 us per row on the 2-core CI host, less than the threads' hand-off).
 BATCH_FILL_MIN_ROWS = 8
+#: Grammar compiles that run at once.
+COMPILE_THREADS = 2
 #: Threads of that batch fill (xgrammar's ``BatchGrammarMatcher``), at most the host's cores.
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 
@@ -71,7 +73,10 @@ class StructuredOutputs:
         #: Called (from the compile thread) when a compile ends: the engine loop's wake-up.
         self.on_compiled: Any = None
         self._compiler_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        #: Compiles running at once (one slow compile, which cannot be stopped, leaves one for
+        #: the others); each runs on a daemon thread of its own (:meth:`_submit`).
+        self._slots = threading.BoundedSemaphore(COMPILE_THREADS)
+        self._closed = False
         self._compiled: dict[tuple[str, str], Future] = {}
         self._pending: dict[str, Future] = {}
         self._matchers: dict[str, Any] = {}
@@ -86,7 +91,7 @@ class StructuredOutputs:
     def _compile(self, kind: str, spec: str) -> Any:
         import xgrammar as xgr
 
-        with self._compiler_lock:  # the pool's two threads: one compiler
+        with self._compiler_lock:  # COMPILE_THREADS threads, one compiler
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size
@@ -117,10 +122,7 @@ class StructuredOutputs:
         check_grammar(*key)  # milliseconds; refuses what would fail to compile (offline API)
         future = self._compiled.get(key)
         if future is None:
-            if self._pool is None:
-                # Two: one slow compile (they cannot be stopped) leaves one for the others.
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix="fd-grammar")
-            future = self._compiled[key] = self._pool.submit(self._compile, *key)
+            future = self._compiled[key] = self._submit(*key)
         self._pending[request.request_id] = future
         if not future.done() and self.on_compiled is not None:
             wake = self.on_compiled
@@ -232,6 +234,27 @@ class StructuredOutputs:
         self._early.pop(request_id, None)
         self._rejected.discard(request_id)
 
+    def _submit(self, kind: str, spec: str) -> Future:
+        """Compile on a daemon thread once one of :data:`COMPILE_THREADS` slots is free. Not a
+        ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so a compile of
+        minutes would hold the engine process's shutdown that long."""
+        future: Future = Future()
+
+        def run() -> None:
+            with self._slots:
+                if self._closed or not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    future.set_result(self._compile(kind, spec))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting request
+                    future.set_exception(e)
+
+        threading.Thread(target=run, name="fd-grammar", daemon=True).start()
+        return future
+
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Start no more compiles (one running finishes on its daemon thread, or dies with the
+        process); the queued ones are cancelled."""
+        self._closed = True
+        for future in self._compiled.values():
+            future.cancel()
