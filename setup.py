@@ -19,6 +19,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["fastdeploy", "fastdeploy.*", "custom_ops", "custom_ops.*"]),
+    # the shipped chat template for tool calling (docs/tool-calling.md)
+    package_data={"fastdeploy.entrypoints.openai": ["*.jinja"]},
     install_requires=requirements,
     extras_require={
         # accelerate: transformers needs it to load the GGUF reference model in the tests.

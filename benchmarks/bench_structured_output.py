@@ -3,7 +3,7 @@ steps by graph mode (docs/structured-output.md).
 
     python3 benchmarks/bench_structured_output.py [--model PATH.gguf] [--streams 1 64]
 
-Greedy, ``ignore_eos`` off, ``max_tokens`` 96; every schema output is checked with ``json.loads``
+Greedy, ``ignore_eos`` off, ``max_tokens`` 160; every schema output is checked with ``json.loads``
 and the schema's required keys. Prints one row per (streams, schema): wall time, decode steps,
 ms per step, output tokens per second, the steps by mode, and how many outputs were valid.
 """
@@ -22,7 +22,10 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "integer"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+            },
             "required": ["city", "zip"],
         },
     },
@@ -39,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=160)
     a = ap.parse_args()
     llm = LLM(a.model, max_model_len=1024, max_num_seqs=max(a.streams), block_size=16)
     ask = [{"role": "user", "content": "Describe a user of a website as JSON."}]

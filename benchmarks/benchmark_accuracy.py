@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from accuracy import data
+from accuracy.grammar import compile_schema, load_schema
 from accuracy.metrics import judge
 from accuracy.paths import TORCH_PATH, PathSpec, engine_kwargs, parse_paths
 from accuracy.reference import Reference, build_reference, load_hf_gguf
@@ -54,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=None, help="perplexity text prefix")
     p.add_argument("--paths", default=None, help="comma-separated path names (default: all)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results here")
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="greedy requests under this JSON schema (builtin, a file or inline JSON); the HF "
+        "reference decodes under the same grammar (accuracy/grammar.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -108,6 +116,7 @@ class Workloads:
         self.tokenizer = self.source.load_tokenizer()
         self.prompts = [data.prompt_token_ids(self.tokenizer, r) for r in records]
         self.text_ids = data.text_token_ids(self.tokenizer, args.text_tokens)
+        self.schema = load_schema(args.json_schema) if args.json_schema else None
         self._cache: dict[str, Workload] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="fd-acc-moe-")
 
@@ -129,7 +138,12 @@ class Workloads:
     def _gguf(self) -> Workload:
         hf = load_hf_gguf(self.source.path, self.source.gguf_file, self.device)
         eos = self.eos_ids(hf.generation_config)
-        ref = build_reference(hf, self.prompts, self.text_ids, self.args.max_new_tokens, eos)
+        grammar = None
+        if self.schema is not None:
+            grammar = compile_schema(self.tokenizer, hf.config.vocab_size, self.schema)
+        ref = build_reference(
+            hf, self.prompts, self.text_ids, self.args.max_new_tokens, eos, grammar
+        )
         del hf
         model = str(self.model_path) if self.source.gguf_file else self.source.path
         ids = [r.id for r in self.records]
@@ -158,7 +172,10 @@ def run_one(spec: PathSpec, w: Workloads, args, device: str):
         max_new_tokens=args.max_new_tokens,
         kv_bytes_per_token=wl.kv_bytes_per_token,
     )
-    run = run_path(spec, wl.model, kw, wl.prompts, wl.text_ids, args.max_new_tokens)
+    schema = w.schema if spec.model == "default" else None
+    if schema is not None:
+        kw["skip_tokenizer_init"] = False  # the engine compiles the grammar with its tokenizer
+    run = run_path(spec, wl.model, kw, wl.prompts, wl.text_ids, args.max_new_tokens, schema=schema)
     return score(spec, run, wl.reference, spec.dtype or args.dtype, wl.eos_ids, wl.prompt_ids)
 
 
@@ -182,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": now.isoformat(timespec="seconds"),
         "num_prompts": len(records),
         "max_new_tokens": args.max_new_tokens,
+        "json_schema": args.json_schema,
         "text_tokens": len(w.text_ids),
     }
     print("\n".join(header_lines(meta)), flush=True)

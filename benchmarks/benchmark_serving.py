@@ -9,8 +9,9 @@ One command (any server with ``/v1/completions``: ours, vLLM, SGLang, a router):
 Prompts are random token ids (a fixed ``--seed``) sent as token-id prompts, so no tokenizer is
 needed and every server sees the same input lengths; ``--range-ratio r`` draws each length
 uniformly from ``[len * (1 - r), len * (1 + r)]``. Every request streams with ``ignore_eos`` and
-``max_tokens`` set, so the output length is what was asked. Either ``--concurrency N`` clients
-run back to back, or requests arrive as a Poisson process of ``--request-rate`` per second.
+``max_tokens`` set, so the output length is what was asked (but see ``--json-schema`` below).
+Either ``--concurrency N`` clients run back to back, or requests arrive as a Poisson process of
+``--request-rate`` per second.
 
 Metrics follow the field's definitions (as vLLM's and SGLang's serving benchmarks report them):
 
@@ -24,6 +25,15 @@ Where the server exposes this project's Prometheus counters at ``/metrics``
 engine's steps during the run by mode, output tokens per step and run seconds per step: a served
 run that takes more steps than an offline one for the same tokens shows it there. Servers
 without them (vLLM, SGLang, a router) leave the line out.
+
+Structured output. ``--json-schema PATH_OR_JSON`` (vLLM's structured-output benchmark calls it
+``--json-schema-path``, also accepted; ``default`` is ``benchmarks/bench_schema.json``) puts
+OpenAI's ``response_format`` ``json_schema`` (strict) on every request, warm-up included, and
+checks each output against the schema (``jsonschema`` where installed, else ``json.loads`` only:
+the table says which): the table prints ``schema-valid: k/N`` and the ``--json`` summary has
+``schema_valid`` and ``schema_checked``. A grammar that ends stops the request (``stop``) before
+``max_tokens``, so under a schema the output tokens are what was generated, not
+``--output-len``; the table gives both and the finish reasons.
 
 Percentiles are p50, p95 and p99. Output tokens come from the final usage chunk
 (``stream_options.include_usage``) where the server sends it, else from the chunks' token counts.
@@ -49,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from schema_check import DEFAULT_SCHEMA, SchemaChecker, load_json_schema, request_fields
 
 
 @dataclass
@@ -72,6 +83,13 @@ class RequestResult:
     start: float = 0.0
     request_id: str | None = None
     stream: int | None = None
+    #: the choice's ``finish_reason`` (``length`` at ``max_tokens``; ``stop`` at EOS or, under
+    #: ``--json-schema``, where the grammar ends, often before ``--output-len``)
+    finish_reason: str | None = None
+    #: the output text, kept only with ``--json-schema``; ``schema_valid`` is then whether it is
+    #: JSON the schema accepts (None without a schema)
+    text: str | None = None
+    schema_valid: bool | None = None
 
 
 def make_prompts(
@@ -91,11 +109,19 @@ def make_prompts(
 
 
 async def run_one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    fields: dict | None = None,
 ) -> RequestResult:
     """Stream one completion and time it; the usage chunk gives the output length and, where
-    the server reports them, the prompt tokens served from its prefix cache."""
+    the server reports them, the prompt tokens served from its prefix cache. ``fields`` are
+    added to the body (``--json-schema``'s ``response_format``); with them the output text is
+    kept (``RequestResult.text``) for checking."""
     result = RequestResult(len(prompt))
+    texts: list[str] | None = [] if fields else None
     body = {
         "model": model,
         "prompt": prompt,
@@ -104,6 +130,7 @@ async def run_one(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(fields or {}),
     }
     start = last = result.start = time.perf_counter()
     counted = 0
@@ -128,6 +155,10 @@ async def run_one(
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
+                if choices[0].get("finish_reason"):
+                    result.finish_reason = choices[0]["finish_reason"]
+                if texts is not None:
+                    texts.append(choices[0].get("text") or "")
                 now = time.perf_counter()
                 if counted == 0:
                     result.ttft = now - start
@@ -140,6 +171,8 @@ async def run_one(
         return result
     result.e2e = time.perf_counter() - start
     result.output_len = result.output_len or counted
+    if texts is not None:
+        result.text = "".join(texts)
     return result
 
 
@@ -161,6 +194,7 @@ async def drive(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     url = args.base_url + "/v1/completions"
     results: dict[int, RequestResult] = {}
+    fields = request_fields(getattr(args, "schema", None))
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -170,7 +204,7 @@ async def drive(
 
             async def delayed(i: int, prompt: list[int], max_tokens: int, delay: float) -> None:
                 await asyncio.sleep(delay)
-                results[i] = await run_one(client, url, model, prompt, max_tokens)
+                results[i] = await run_one(client, url, model, prompt, max_tokens, fields)
 
             arrivals, t = [], 0.0
             for _ in items:
@@ -183,7 +217,7 @@ async def drive(
             async def client_loop(k: int) -> None:
                 while pending:
                     i, prompt, max_tokens = pending.pop(0)
-                    results[i] = await run_one(client, url, model, prompt, max_tokens)
+                    results[i] = await run_one(client, url, model, prompt, max_tokens, fields)
                     results[i].stream = stream_base + k
 
             await asyncio.gather(*(client_loop(k) for k in range(concurrency)))
@@ -217,7 +251,10 @@ async def prepare(args: argparse.Namespace) -> tuple[str, list[tuple[list[int], 
         if model is None:
             model = (await client.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
         for prompt, max_tokens in warmup:
-            await run_one(client, args.base_url + "/v1/completions", model, prompt, max_tokens)
+            await run_one(
+                client, args.base_url + "/v1/completions", model, prompt, max_tokens,
+                request_fields(getattr(args, "schema", None)),
+            )  # fmt: skip
     return model, prompts
 
 
@@ -311,12 +348,26 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values) * 1000, "p50": pct(50), "p95": pct(95), "p99": pct(99)}
 
 
+def check_outputs(results: list[RequestResult], checker: SchemaChecker) -> None:
+    """Set ``schema_valid`` on each completed request from its kept text."""
+    for r in results:
+        if r.error is None:
+            r.schema_valid = checker.valid(r.text or "")
+
+
 def summarize(results: list[RequestResult], seconds: float) -> dict:
     """The run's throughput and latency summary (latencies in ms). ``cached_prompt_tokens`` is
     the sum of the completed requests' prompt tokens from the server's prefix cache, None when
-    none of them carried the count (a server that does not report it)."""
+    none of them carried the count (a server that does not report it). ``output_tokens`` are
+    the tokens actually generated (under a schema often fewer than asked), ``finish_reasons``
+    counts the completed requests by finish reason, and ``schema_valid`` is the number of
+    completed outputs the schema accepted (:func:`check_outputs`; None without a schema)."""
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
+    finish: dict[str, int] = {}
+    for r in ok:
+        finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
+    checked = [r.schema_valid for r in ok if r.schema_valid is not None]
     in_tokens = sum(r.prompt_len for r in ok)
     reported = any(r.cached_tokens_reported for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
@@ -330,6 +381,10 @@ def summarize(results: list[RequestResult], seconds: float) -> dict:
         "total_token_throughput": (in_tokens + out_tokens) / seconds,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
+        "finish_reasons": dict(sorted(finish.items())),
+        "schema_valid": sum(checked) if checked else None,
+        "schema_checked": len(checked),
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok) if reported else None,
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "tpot_ms": percentiles(tpot),
@@ -342,8 +397,9 @@ def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
     load = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {args.concurrency}"
     print(
         f"\nServing benchmark | {args.base_url} | model {model} | {args.num_prompts} prompts, "
-        f"input {args.input_len}, output {args.output_len}, range ratio {args.range_ratio} | {load}"
-        f" | {args.num_clients} client process(es)"
+        f"input {args.input_len}, max output {args.output_len}, range ratio {args.range_ratio} | "
+        f"{load} | {args.num_clients} client process(es)"
+        + (f" | --json-schema {args.json_schema}" if args.json_schema else "")
     )
     done, failed, seconds = summary["completed"], summary["failed"], summary["seconds"]
     print(f"completed {done}, failed {failed} in {seconds:.2f} s")
@@ -354,6 +410,17 @@ def print_table(summary: dict, args: argparse.Namespace, model: str) -> None:
         f"{summary['output_throughput']:.1f} output tok/s, "
         f"{summary['total_token_throughput']:.1f} total tok/s"
     )
+    reasons = ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items())
+    print(
+        f"output tokens: {summary['output_tokens']} generated, "
+        f"{summary['mean_output_tokens']:.1f} per request (asked {args.output_len}); "
+        f"finish: {reasons or 'none'}"
+    )
+    if summary.get("schema_valid") is not None:
+        print(
+            f"schema-valid: {summary['schema_valid']}/{summary['schema_checked']} "
+            f"(checked with {summary['schema_check']})"
+        )
     print(f"{'metric (ms)':<12} {'mean':>9} {'p50':>9} {'p95':>9} {'p99':>9}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         p = summary[f"{name}_ms"]
@@ -409,6 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="also write the summary to this file")
+    parser.add_argument(
+        "--json-schema", "--json-schema-path", default=None, metavar="PATH_OR_JSON",
+        help="constrain every request to this JSON schema (a file, or inline JSON starting "
+        "with '{'; 'default' is benchmarks/bench_schema.json) through response_format, and "
+        "count the outputs it accepts ('schema-valid: k/N'); outputs may end before "
+        "--output-len where the grammar ends",
+    )  # fmt: skip
     return parser
 
 
@@ -421,8 +495,16 @@ def main(argv: list[str] | None = None) -> dict:
             f"--num-clients={args.num_clients} is invalid; allowed: 1..min(--num-prompts, "
             f"--concurrency) = {min(args.num_prompts, args.concurrency)}"
         )
+    args.schema, checker = None, None
+    if args.json_schema is not None:
+        value = str(DEFAULT_SCHEMA) if args.json_schema == "default" else args.json_schema
+        args.schema = load_json_schema(value)
+        checker = SchemaChecker(args.schema)
     results, seconds, model, before = run_benchmark(args)
+    if checker is not None:
+        check_outputs(results, checker)
     summary = summarize(results, seconds)
+    summary["schema_check"] = checker.method if checker else None
     summary["engine_steps"] = step_summary(before, server_counters(args.base_url), seconds)
     print_table(summary, args, model)
     if args.json:

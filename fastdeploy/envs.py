@@ -264,6 +264,18 @@ FD_PD_SECRET = EnvVar(
     "reference (HMAC-SHA256). At least 16 bytes. Unset: PD runs unauthenticated (a warning).",
 )
 
+FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S = EnvVar(
+    "FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S",
+    "float",
+    _parse_positive_float,
+    30.0,
+    "Seconds a structured-output request may wait for its grammar to compile before it fails "
+    "with a 400 naming the limit. The request waits outside the scheduler, so other requests "
+    "run meanwhile; the compile itself cannot be stopped and finishes on its thread (xgrammar's "
+    "JSON-schema compile grows fast with the optional properties of one object: 1,000 took "
+    "1.7 s on the 2-core CI host, 4,000 took 198 s).",
+)
+
 _VARS: dict[str, EnvVar] = {v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)}
 
 

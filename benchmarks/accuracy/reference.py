@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from accuracy.grammar import constrained_greedy
 from accuracy.metrics import cut_at_eos
 
 #: LM-head rows turned into float32 log-probs at once (a 2,000-token prompt of a 49K vocabulary
@@ -105,18 +107,28 @@ def build_reference(
     text_ids: Sequence[int],
     max_new_tokens: int,
     eos_ids: Sequence[int],
+    grammar: Any = None,
 ) -> Reference:
     """HF float32 greedy continuations and teacher-forced log-probs for every prompt, and the
-    perplexity text's log-probs. Cost: one ``generate`` and one forward per prompt."""
+    perplexity text's log-probs. Cost: one ``generate`` and one forward per prompt.
+
+    With ``grammar`` (an xgrammar ``CompiledGrammar``, ``--json-schema``), the continuation is
+    greedy under that grammar and its log-probs and margins are of the masked distribution
+    (:func:`accuracy.grammar.constrained_greedy`); the prompt's log-probs are unchanged."""
     refs = []
     for ids in prompts:
-        cont = greedy(hf, ids, max_new_tokens, eos_ids)
-        lps, margins = teacher_forced(hf, list(ids) + cont, margin_from=len(ids) - 1)
+        if grammar is None:
+            cont = greedy(hf, ids, max_new_tokens, eos_ids)
+            lps, margins = teacher_forced(hf, list(ids) + cont, margin_from=len(ids) - 1)
+            cont_lps = [float(v) for v in lps[len(ids) :]]
+        else:
+            cont, cont_lps, margins = constrained_greedy(hf, ids, max_new_tokens, eos_ids, grammar)
+            lps, _ = teacher_forced(hf, ids, margin_from=len(ids))
         refs.append(
             PromptReference(
                 ids=list(ids),
                 continuation=cont,
-                continuation_logprobs=[float(v) for v in lps[len(ids) :]],
+                continuation_logprobs=cont_lps,
                 margins=margins,
                 prompt_logprobs=lps[: len(ids)],
             )

@@ -73,7 +73,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"model: {meta['model']} (md5 {meta['md5']})",
         f"commit: {meta['commit']}   date: {meta['date']}   prompts: {meta['num_prompts']}   "
         f"max new tokens: {meta['max_new_tokens']}   perplexity text: {meta['text_tokens']} tokens",
-    ]
+    ] + ([f"greedy under JSON schema: {meta['json_schema']}"] if meta.get("json_schema") else [])
 
 
 def path_table(spec: PathSpec, s: PathScore, ok: bool, reasons: list[str]) -> str:

@@ -86,17 +86,21 @@ def run_path(
     prompts: Sequence[Sequence[int]],
     text_ids: Sequence[int],
     max_new_tokens: int,
+    schema: dict[str, Any] | None = None,
 ) -> PathRun:
     """Build the path's engine (with its env vars), run greedy and teacher-forced requests,
-    read its counters, shut it down. Raises whatever the engine raises."""
+    read its counters, shut it down. Raises whatever the engine raises.
+
+    ``schema``: the greedy requests carry it as a ``json`` structured output (``--json-schema``);
+    the teacher-forced ones never do."""
     with env_vars(spec.env):
         if spec.pd:
-            return _run_pd(model, kwargs, prompts, max_new_tokens)
+            return _run_pd(model, kwargs, prompts, max_new_tokens, schema)
         from fastdeploy import LLM, SamplingParams
 
         llm = LLM(model, **kwargs)
         try:
-            greedy = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0)
+            greedy = _greedy_params(max_new_tokens, schema)
             ids = [list(p) for p in prompts]
             outs = llm.generate(ids, greedy, use_tqdm=False)
             if spec.repeat:
@@ -146,12 +150,22 @@ def _drive(engine: Any, requests: dict[str, tuple], timeout_s: float) -> dict[st
     return outs
 
 
-def _run_pd(model, kwargs, prompts, max_new_tokens) -> PathRun:
+def _greedy_params(max_new_tokens: int, schema: dict[str, Any] | None) -> Any:
+    """Greedy with the chosen token's log-prob, under ``schema`` when one is given."""
     from fastdeploy import SamplingParams
+    from fastdeploy.core.structured_output import StructuredOutputsParams
+
+    so = None if schema is None else StructuredOutputsParams(json=schema)
+    return SamplingParams(
+        temperature=0, max_tokens=max_new_tokens, logprobs=0, structured_outputs=so
+    )
+
+
+def _run_pd(model, kwargs, prompts, max_new_tokens, schema=None) -> PathRun:
     from fastdeploy.engine.args_utils import EngineArgs
     from fastdeploy.engine.engine import LLMEngine
 
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=0)
+    params = _greedy_params(max_new_tokens, schema)
     prefill = LLMEngine.from_engine_args(
         EngineArgs(model=model, splitwise_role="prefill", **kwargs)
     )

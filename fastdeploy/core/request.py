@@ -75,8 +75,15 @@ def check_sampling(params: SamplingParams, vocab_size: int, has_tokenizer: bool)
     tokenizer turns tokens into text.
 
     Raises:
-        ValueError: naming the field, the value and what is allowed.
+        ValueError: naming the field, the value and what is allowed (``n`` other than 1: one
+            engine request is one sequence; the front end fans ``n`` out with
+            :func:`fastdeploy.core.parallel_sampling.choice_params`).
     """
+    if params.n != 1:
+        raise ValueError(
+            f"n={params.n!r} is invalid for one engine request; allowed: 1 (a front end such as "
+            "LLM.generate fans n out into n requests: fastdeploy.core.parallel_sampling)"
+        )
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
         bad = [t for t in ids if t >= vocab_size]
         if bad:

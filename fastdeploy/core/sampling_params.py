@@ -129,6 +129,11 @@ class SamplingParams:
     * ``frequency_penalty`` in [-2, 2]: subtracted once per time the token appeared in the output;
       ``presence_penalty`` in [-2, 2]: subtracted once if it appeared at all (OpenAI's definition).
 
+    ``n`` (an integer >= 1): the number of outputs for each prompt (vLLM's field). The offline
+    ``LLM`` returns them as ``RequestOutput.outputs[0..n-1]``; each is its own engine request
+    (:mod:`fastdeploy.core.parallel_sampling`: the prompt is prefilled once, choice ``j`` samples
+    with ``seed + j``); the engine itself takes ``n=1`` only.
+
     ``structured_outputs`` (vLLM's field, :class:`StructuredOutputsParams`): the output must match
     a JSON schema, JSON, a regex, a choice or a grammar. Tokens the grammar does not allow are
     masked out of every row's logits before the logits processing; when the grammar ends (its
@@ -169,7 +174,7 @@ class SamplingParams:
         )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(self.n == 1, "n", self.n, "1")
+        check_int("n", self.n, minimum=1)
         check(
             is_number(self.temperature)
             and math.isfinite(self.temperature)

@@ -56,7 +56,9 @@ class SchedulerOutput:
     ``grammar_bitmask``: int32 ``[num_sampling_rows, ceil(vocab / 32)]`` on the host, one row per
     request that samples (in ``scheduled`` order), bit ``t`` set when token ``t`` is allowed;
     None when no sampling request has a structured-output grammar (set by the engine at launch,
-    :mod:`fastdeploy.engine.structured_output`).
+    :mod:`fastdeploy.engine.structured_output`). Under the overlap schedule it can instead be a
+    zero-argument callable returning that tensor (or None): the runner calls it once, after the
+    step's forward is queued and before sampling (:mod:`fastdeploy.engine.step_pipeline`).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)

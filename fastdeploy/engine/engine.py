@@ -51,7 +51,7 @@ from fastdeploy.core.request import Request, RequestStatus
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.admission import Admission
 from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.engine.pd_steps import PDSteps, engine_kv_layout
+from fastdeploy.engine.pd_steps import PDSteps, engine_kv_layout, error_output
 from fastdeploy.engine.step_pipeline import StepPipeline
 from fastdeploy.engine.structured_output import StructuredOutputs
 
@@ -225,6 +225,9 @@ class LLMEngine:
         )
         self.stop_checker = StopChecker(self.max_model_len, self.tokenizer)
         self.grammars = StructuredOutputs(self.tokenizer, self.vocab_size)
+        #: Requests whose grammar is still compiling: they enter the scheduler once it has, so
+        #: the step loop never waits for a compile (:meth:`_admit_compiled`).
+        self.compiling: dict[str, tuple[Request, float]] = {}
         self.pipeline = StepPipeline(
             self.worker, self.scheduler, self.host_tier, self.overlap_schedule, self.grammars
         )
@@ -383,7 +386,7 @@ class LLMEngine:
                 # no decode node will pull them now
                 release_refused_leg(kv_transfer_params, self.admission().pd_trust)
             raise
-        if self.scheduler.get_request(request_id) is not None:
+        if self.scheduler.get_request(request_id) is not None or request_id in self.compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
         if leg is True:
             # The prefill node samples the first token only, unconstrained by min_tokens (a
@@ -399,8 +402,40 @@ class LLMEngine:
             self.pd_steps.expect_remote_kv(request_id)
         self.grammars.add(request)  # raises on a spec that does not parse
         self.stop_checker.start(request)
-        self.scheduler.add_request(request)
+        if self.grammars.compile_state(request_id) is True:
+            self.scheduler.add_request(request)
+        else:
+            self.compiling[request_id] = (request, time.monotonic())
         return request
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Move requests whose grammar has compiled into the scheduler; end those whose compile
+        failed, or is still running after ``FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S``, with an
+        error output (a ``ValueError``: a 400 naming ``structured_outputs``)."""
+        failed = []
+        timeout = envs.FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S()
+        now = time.monotonic()
+        for request_id, (request, since) in list(self.compiling.items()):
+            state = self.grammars.compile_state(request_id)
+            if state is False and now - since <= timeout:
+                continue
+            del self.compiling[request_id]
+            if state is True:
+                self.scheduler.add_request(request)
+                continue
+            self.grammars.free(request_id)
+            if state is False:
+                error = ValueError(
+                    f"structured_outputs did not compile within {timeout:g} s "
+                    "(FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S); allowed: a grammar that compiles "
+                    "in time, e.g. a JSON schema with fewer optional properties per object"
+                )
+            else:
+                error = ValueError(f"structured_outputs is invalid: {state}; allowed: a grammar "
+                                   "xgrammar compiles")  # fmt: skip
+            logger.warning("request %s: %s", request_id, error)
+            failed.append(error_output(request, error))
+        return failed
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its KV blocks; False if unknown.
@@ -409,6 +444,8 @@ class LLMEngine:
         stopped writing (then they are freed); the prefill node is told to free its copy.
         """
         self.grammars.free(request_id)
+        if self.compiling.pop(request_id, None) is not None:
+            return True  # never reached the scheduler
         if self.pd_steps is not None:
             return self.pd_steps.abort(request_id)
         return self.scheduler.abort_request(request_id)
@@ -416,7 +453,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running, or a launched step's tokens are unread
         (overlap schedule: one more ``step()`` emits them)."""
-        return self.scheduler.has_unfinished_requests() or self.pipeline.in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.pipeline.in_flight is not None
+            or bool(self.compiling)
+        )
 
     def has_background_work(self) -> bool:
         """True while bookkeeping needs steps even without requests: host-tier copies queued or
@@ -449,10 +490,11 @@ class LLMEngine:
             self.capture_next_graph()
 
     def set_wakeup(self, wakeup) -> None:
-        """Call ``wakeup()`` from another thread when background work ends (a pull finished),
-        so a loop idling between steps steps again at once."""
+        """Call ``wakeup()`` from another thread when background work ends (a pull finished, a
+        grammar compiled), so a loop idling between steps steps again at once."""
         if self.pd is not None:
             self.pd.set_wakeup(wakeup)
+        self.grammars.on_compiled = wakeup  # a request waiting for its grammar can run
 
     def check_integrity(self) -> None:
         """The scheduler's integrity check, counting blocks held for decode nodes.
@@ -514,6 +556,11 @@ class LLMEngine:
 
     def _step(self) -> list[EngineOutput]:
         """The body of :meth:`step`."""
+        if self.compiling:
+            failed = self._admit_compiled()
+            if failed:
+                self.last_step_idle = False
+                return failed
         pd_steps = self.pd_steps
         outputs = (
             pd_steps.step(time.monotonic(), self._token_output) if pd_steps is not None else []
@@ -595,7 +642,7 @@ class LLMEngine:
         ``num_host_blocks``."""
         stats = {
             "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_waiting": self.scheduler.num_waiting + len(self.compiling),
             "num_waiting_for_remote_kv": self.scheduler.num_waiting_for_remote_kv,
             "num_waiting_for_swap_in": self.scheduler.num_waiting_for_swap_in,
             "num_preemptions": self.scheduler.num_preemptions,

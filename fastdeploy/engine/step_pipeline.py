@@ -29,21 +29,25 @@ correct:
 * a seeded request draws from its own generator once per sampled token, so its tokens are the
   same with the overlap schedule on or off;
 * a structured-output request: step N's grammar mask needs the matcher to have accepted N-1's
-  token, which only the host knows after N-1 finishes. So before a step that samples a request
-  with a grammar launches, the host waits for the step in flight's tokens and feeds them to the
-  matchers (:meth:`StructuredOutputs.accept_early`); the step in flight is still finished after
-  the launch, as always (so a request that N-1's token ends is dropped from N as above). That
-  wait is a host sync for that step only: the overlap is lost while grammar requests decode, in
-  every batch they share. A step without one launches as before, with no sync and no bitmask
-  (``grammar_bitmask`` None).
+  token, which only the host knows after N-1 finishes. So a step that samples a request with a
+  grammar launches with a *deferred* mask (``grammar_bitmask`` a callable): the runner queues
+  N's forward first, and only then, just before the sampler, calls it; it waits for the step in
+  flight's tokens, feeds them to the matchers (:meth:`StructuredOutputs.accept_early`) and
+  fills N's mask while the device already runs N's forward. The step in flight is still
+  finished after the launch, as always (so a request that N-1's token ends is dropped from N as
+  above). The wait is a host sync in that step only, taken after its forward was queued: the
+  device idles only while the host fills the masks and queues the sampler. A step without a
+  grammar request launches as before, with no sync and no bitmask (``grammar_bitmask`` None);
+  without a step in flight the mask is built at once (a tensor).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastdeploy.cache_manager.host_tier import HostTier
 from fastdeploy.core.outputs import EngineOutput
@@ -127,10 +131,11 @@ class StepPipeline:
         if grammars is not None and not sched.is_empty:
             flight = self.in_flight
             if flight is not None and self._samples_grammar(sched):
-                # The masks of sched need the in-flight tokens accepted (module docstring): read
-                # them now (the wait), feed them to the matchers; finish() stays after launch.
-                grammars.accept_early(flight.samplers, flight.output.token_ids())
-            sched.grammar_bitmask = grammars.bitmask(sched)
+                # The masks of sched need the in-flight tokens accepted (module docstring): the
+                # runner calls this after queueing sched's forward; finish() stays after launch.
+                sched.grammar_bitmask = functools.partial(self._late_bitmask, flight, sched)
+            else:
+                sched.grammar_bitmask = grammars.bitmask(sched)
         launched = self.launch(sched, layer_events)
         if self.overlap_schedule:
             due, self.in_flight = self.in_flight, launched
@@ -142,6 +147,12 @@ class StepPipeline:
             launched is None and due is None and not (host is not None and host.has_work)
         )
         return self.finish(due, token_output) if due is not None else []
+
+    def _late_bitmask(self, flight: LaunchedStep, sched: SchedulerOutput) -> Any:
+        """The deferred mask of ``sched`` (called once, by the runner, after ``sched``'s forward
+        was queued): wait for ``flight``'s tokens, feed them to the matchers, fill the rows."""
+        self.grammars.accept_early(flight.samplers, flight.output.token_ids())
+        return self.grammars.bitmask(sched)
 
     def _samples_grammar(self, sched: SchedulerOutput) -> bool:
         has = self.grammars.has_grammar

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from fastdeploy.core import cpu_threads
+from fastdeploy.core.parallel_sampling import choice_params
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.args_utils import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
@@ -50,6 +51,12 @@ class LLM:
 
         A bad prompt or sampling parameter raises ``ValueError`` before anything is queued, so
         nothing is left in the engine.
+
+        ``SamplingParams(n=k)``: the prompt's ``RequestOutput`` has ``k`` outputs, ``index``
+        ``0..k-1`` (vLLM's order), from ``k`` engine requests ``"{j}_{request id}"``; the prompt
+        is prefilled once (choice 0 first, the others after its first token, through the
+        prefix cache) and a seeded choice ``j`` samples with ``seed + j``
+        (:mod:`fastdeploy.core.parallel_sampling`).
         """
         prompts = _as_list(prompts)
         if sampling_params is None:
@@ -92,34 +99,81 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, encoded, params, use_tqdm: bool) -> list[RequestOutput]:
+        """Run every prompt's choices to the end (``n`` per prompt, fanned out and admitted as
+        :mod:`fastdeploy.core.parallel_sampling` says) and return one output per prompt."""
         engine = self.engine
         processor = OutputProcessor()
         ids = [f"llm-{next(self._ids)}" for _ in encoded]
-        added = []
-        try:
-            for rid, (text, token_ids), p in zip(ids, encoded, params):
-                engine.add_request(rid, token_ids, p)
-                added.append(rid)
-                processor.add_request(rid, text, token_ids, p)
-        except Exception:
-            for rid in added:
-                engine.abort_request(rid)
-            raise
+        # engine request id of choice j of prompt i: the prompt's id for n=1, else vLLM's
+        # "{j}_{parent id}" (vllm/v1/engine/parallel_sampling.py)
+        rids = [
+            [rid] if p.n == 1 else [f"{j}_{rid}" for j in range(p.n)] for rid, p in zip(ids, params)
+        ]
+        children = [[choice_params(p, j) for j in range(p.n)] for p in params]
+        for (_, token_ids), kids in zip(encoded, children):
+            for child in kids[
+                1:
+            ]:  # choice 0 is checked by add_request; siblings before any is queued
+                engine.check_request(token_ids, child)
+        added: list[str] = []
+
+        def add(i: int, j: int) -> None:
+            text, token_ids = encoded[i]
+            engine.add_request(rids[i][j], token_ids, children[i][j])
+            added.append(rids[i][j])
+            processor.add_request(rids[i][j], text, token_ids, children[i][j])
+
+        # prompts with n > 1 whose choice 0 has not output yet: {choice 0's id: prompt index}
+        waiting = {rids[i][0]: i for i, p in enumerate(params) if p.n > 1}
+        left = [p.n for p in params]  # unfinished choices per prompt
+        prompt_of = {rid: i for i, row in enumerate(rids) for rid in row}
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
+            for i in range(len(encoded)):
+                add(i, 0)
             while engine.has_unfinished_requests():
                 for out in processor.process(engine.step()):
+                    i = waiting.pop(out.request_id, None)
+                    if i is not None:  # its prompt's full blocks are cached now
+                        for j in range(1, params[i].n):
+                            add(i, j)
                     if out.finished:
                         results[out.request_id] = out
-                        bar.update(1)
+                        i = prompt_of[out.request_id]
+                        left[i] -= 1
+                        if left[i] == 0:
+                            bar.update(1)
         except BaseException:
-            for rid in ids:
+            for rid in added:
                 engine.abort_request(rid)
             raise
         finally:
             bar.close()
-        return [results[rid] for rid in ids]
+        return [_gathered(rid, [results[r] for r in row]) for rid, row in zip(ids, rids)]
+
+
+def _gathered(request_id: str, finals: list[RequestOutput]) -> RequestOutput:
+    """One prompt's output from its choices' finished outputs (in choice order): itself for one
+    choice; else one ``RequestOutput`` with ``outputs[j].index == j`` (vLLM's), the prompt's
+    ``num_cached_tokens`` and ``prompt_logprobs`` from choice 0 (the one that prefilled it)."""
+    if len(finals) == 1:
+        return finals[0]
+    outputs = []
+    for j, final in enumerate(finals):
+        completion = final.outputs[0]
+        completion.index = j
+        outputs.append(completion)
+    first = finals[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=first.prompt_logprobs,
+    )
 
 
 def _as_list(prompts) -> list:

@@ -23,6 +23,11 @@ from fastdeploy.entrypoints.engine_client.stall_watch import (
 )
 from fastdeploy.entrypoints.openai.auth import mask
 from fastdeploy.entrypoints.openai.limits import HTTPLimits
+from fastdeploy.entrypoints.openai.tool_config import (
+    TOOL_CALL_PARSERS,
+    ToolServingConfig,
+    tool_serving_config,
+)
 
 #: Name served when ``--model`` is not given (the bundled default model).
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -145,6 +150,28 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
             default=default,
             help=f"{what} of one request, at most {ceiling}; more: 400 (default: {default})",
         )
+    tools = parser.add_argument_group("tool calling", "see docs/tool-calling.md")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default of a request with tools), parsed with '
+        "--tool-call-parser (vLLM's flag); without it such a request is a 400 (required and "
+        "named functions are served either way)",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the format of the model's tool calls: "
+        + ", ".join(TOOL_CALL_PARSERS)
+        + " (<tool_call> JSON: Hermes, Qwen2/2.5/3, SmolLM2) (vLLM's flag) (default: none)",
+    )
+    tools.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template, a file's path or the template itself, used instead of the "
+        "model's for every chat request (vLLM's flag) (default: the model's; for requests "
+        "with tools, the shipped Hermes template when the model's does not render tools)",
+    )
     server.add_argument(
         "--log-level",
         default="info",
@@ -277,6 +304,21 @@ def check_server_args(args: argparse.Namespace) -> None:
         if error is not None:
             raise ValueError(error)
     request_limits(args)
+    tool_config(args)
+
+
+def tool_config(args: argparse.Namespace) -> ToolServingConfig:
+    """The tool flags as a :class:`ToolServingConfig` (``--chat-template``'s file read).
+
+    Raises:
+        ValueError: an unknown ``--tool-call-parser``, ``--enable-auto-tool-choice`` without
+            it, or a ``--chat-template`` that is neither a file nor a template.
+    """
+    return tool_serving_config(
+        getattr(args, "enable_auto_tool_choice", False),
+        getattr(args, "tool_call_parser", None),
+        getattr(args, "chat_template", None),
+    )
 
 
 def server_not_supported(args: argparse.Namespace, splitwise_role: str) -> list[str]:
@@ -305,6 +347,9 @@ def server_summary(args: argparse.Namespace) -> dict[str, Any]:
         "api_server_count": args.api_server_count,
         "engine_stall_timeout": args.engine_stall_timeout,
         "api_key": mask(getattr(args, "api_key", None)),
+        "enable_auto_tool_choice": getattr(args, "enable_auto_tool_choice", False),
+        "tool_call_parser": getattr(args, "tool_call_parser", None),
+        "chat_template": getattr(args, "chat_template", None),
     }
     http_limits, stop_limits = request_limits(args)
     server["limits"] = {

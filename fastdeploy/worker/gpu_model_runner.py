@@ -323,8 +323,11 @@ class GPUModelRunner:
             return PendingOutput.ready({})
         scheduled = sched.scheduled  # the requests that sample, as prepare() found them
         reqs = [scheduled[i].request for i in inputs.sampling]
-        if sched.grammar_bitmask is not None:
-            logits = self.grammar_mask.apply(logits, sched.grammar_bitmask)
+        bitmask = sched.grammar_bitmask
+        if callable(bitmask):  # deferred: built now, while the device runs this step's forward
+            bitmask = bitmask()
+        if bitmask is not None:
+            logits = self.grammar_mask.apply(logits, bitmask)
             argmax = None  # the masked logits have an argmax of their own
         out = self.sampler(logits, self.sampling.prepare(reqs, logits.shape[-1]), argmax)
         self.sampling.record(reqs, out.token_ids)

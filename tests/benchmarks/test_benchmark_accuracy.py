@@ -171,6 +171,7 @@ class FakeWorkloads:
 
     model_path = None  # a file to take the md5 of; the test sets it
     text_ids = [1, 2]
+    schema = None  # no --json-schema
 
     def __init__(self, args, device, records):
         pass
@@ -186,7 +187,8 @@ def test_main_exits_one_on_a_failed_path_and_lists_cuda_paths(monkeypatch, tmp_p
     monkeypatch.setattr(harness, "Workloads", FakeWorkloads)
     monkeypatch.setattr(FakeWorkloads, "model_path", gguf)
 
-    def fake_run(spec, model, kw, prompts, text_ids, n):  # eager equals HF; chunked parts at 1
+    # eager equals HF; chunked parts at 1
+    def fake_run(spec, model, kw, prompts, text_ids, n, schema=None):
         tokens = [4, 5, 2] if spec.name == "eager" else [4, 9, 2]
         plp = [[None, -1.0, -2.0]]
         return runner.PathRun([tokens], [[-0.5] * 3], plp, [None, -1.0], {})
@@ -278,3 +280,64 @@ def test_cpu_path_equals_hf_float32(harness_run, path):
     assert row["prompt_delta_mean"] <= metrics.FLOAT32_MAX_MEAN_DELTA
     assert row["ppl_ours"] == pytest.approx(row["ppl_ref"], rel=1e-3)
     assert row["problems"] == [] and row["passed"]
+
+
+# --- the harness under a JSON schema (--json-schema) -------------------------------------------
+
+
+@pytest.mark.slow
+def test_constrained_reference_is_schema_json_and_engine_paths_equal_it(tmp_path):
+    """HF's constrained greedy (accuracy/grammar.py) writes JSON the schema accepts, its masked
+    margins are infinite where the grammar allows one token,, and two CPU paths under the same
+    schema equal it token for token (float32)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from accuracy.grammar import BUILTIN_SCHEMA, compile_schema, constrained_greedy
+    from accuracy.reference import load_hf_gguf
+
+    from fastdeploy.model_executor.model_loader.source import resolve_model
+
+    try:
+        source = resolve_model(None, "auto")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tok = source.load_tokenizer()
+    hf = load_hf_gguf(source.path, source.gguf_file, "cpu")
+    grammar = compile_schema(tok, hf.config.vocab_size, BUILTIN_SCHEMA)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Describe a user of a website as JSON."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    eos = [tok.eos_token_id]
+    cont, lps, margins = constrained_greedy(hf, ids, 120, eos, grammar)
+    assert cont[-1] in eos and len(cont) == len(lps) == len(margins)
+    doc = json.loads(tok.decode(cont[:-1]))
+    jsonschema.validate(doc, BUILTIN_SCHEMA)
+    assert math.inf in margins  # positions where the grammar allows one token
+    assert all(lp <= 0 for lp in lps)
+
+    out = tmp_path / "acc.json"
+    argv = ["--device", "cpu", "--dtype", "float32", "--num-prompts", "2", "--max-new-tokens",
+            "24", "--text-tokens", "64", "--paths", "eager,overlap-off", "--json-schema",
+            "builtin", "--json", str(out)]  # fmt: skip
+    assert harness.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["json_schema"] == "builtin"
+    for row in doc["paths"]:
+        assert row["num_equal"] == row["num_prompts"] == 2, row["divergences"]
+        assert row["gen_delta_mean"] <= metrics.FLOAT32_MAX_MEAN_DELTA
+
+
+def test_load_schema_forms(tmp_path):
+    from accuracy.grammar import BUILTIN_SCHEMA, load_schema
+
+    assert load_schema("builtin") is BUILTIN_SCHEMA
+    f = tmp_path / "s.json"
+    f.write_text('{"type": "object"}')
+    assert load_schema(str(f)) == {"type": "object"}
+    assert load_schema('{"type": "integer"}') == {"type": "integer"}
+    with pytest.raises(ValueError, match="allowed: builtin"):
+        load_schema("{nope")
+    with pytest.raises(ValueError, match="allowed: an object"):
+        load_schema("[1]")

@@ -74,9 +74,9 @@ def test_warmup_prompts_are_never_timed_prompts():
     sent = []
     real = bench.run_one
 
-    async def recording(client, url, model, prompt, max_tokens):
+    async def recording(client, url, model, prompt, max_tokens, fields=None):
         sent.append(tuple(prompt))
-        return await real(client, url, model, prompt, max_tokens)
+        return await real(client, url, model, prompt, max_tokens, fields)
 
     bench.run_one = recording
     with serve_in_thread(FakeEngine(step_delay_s=0.001)) as (url, _):
@@ -103,9 +103,12 @@ def test_client_processes_share_the_load():
         assert summary["tpot_ms"]["p50"] > 0
         summary = bench.main(
             ["--base-url", url, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
-             "--request-rate", "40", "--vocab-size", "256", "--num-clients", "2"]
+             "--request-rate", "40", "--vocab-size", "256", "--num-clients", "2",
+             "--json-schema", '{"type": "integer"}']
         )  # fmt: skip
         assert summary["completed"] == 4 and summary["output_tokens"] == 12
+        # the schema reached both client processes: every request carried it and kept its text
+        assert summary["schema_checked"] == 4 and summary["schema_valid"] is not None
     try:
         bench.main(["--num-clients", "5", "--concurrency", "4"])
     except SystemExit as e:

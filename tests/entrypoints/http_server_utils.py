@@ -59,16 +59,23 @@ def serve_in_thread(
     api_keys: tuple[str, ...] = (),
     http: str = "auto",
     stop_limits: StopLimits | None = None,
+    tool_config=None,
     **engine_kwargs,
 ) -> Iterator[tuple[str, AsyncLLMEngine]]:
     """Serve ``engine`` with uvicorn on a thread at 127.0.0.1:<free port>, with the request
     ``limits`` (defaults when None) on uvicorn's ``http`` protocol (``auto``, ``httptools``,
-    ``h11``), ``api_keys`` and ``stop_limits``, as ``fastdeploy serve`` does; ``engine_kwargs``
+    ``h11``), ``api_keys``, ``stop_limits`` and ``tool_config`` (the tool flags), as
+    ``fastdeploy serve`` does; ``engine_kwargs``
     go to :class:`AsyncLLMEngine` (``engine_stall_timeout_s``, ...); yields (url, engine)."""
     async_engine = AsyncLLMEngine(engine, max_concurrency=max_concurrency, **engine_kwargs)
     limits = limits or HTTPLimits()
     app = build_app(
-        async_engine, served_model_name, limits=limits, stop_limits=stop_limits, api_keys=api_keys
+        async_engine,
+        served_model_name,
+        limits=limits,
+        stop_limits=stop_limits,
+        api_keys=api_keys,
+        tool_config=tool_config,
     )
     port = free_port()
     config = uvicorn.Config(

@@ -47,7 +47,7 @@ BAD_INPUTS = [
     (
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        ["tools is not supported"],
+        ["tools[0].function is missing"],
         "tools",
     ),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, ["top_p"], "top_p"),
@@ -148,7 +148,10 @@ def test_error_bodies_name_param_and_code_without_pydantic_prefixes(server):
         assert err["param"] == param, err
         assert err["code"] == (code or "context_length_exceeded"), err
     r = httpx.post(url, json={"messages": msg, "tools": [{"type": "function"}]}, timeout=10)
-    assert r.json()["error"]["message"] == "tools is not supported (only null or empty)"
+    assert r.json()["error"]["message"] == (
+        'tools[0].function is missing; allowed: {"type": "function", "function": {"name": ..., '
+        '"parameters": {...}}}'
+    )
 
 
 @pytest.mark.parametrize(

@@ -177,7 +177,13 @@ def test_unknown_model_is_a_404_like_chat(server, method, path, body):
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"prompt": "a", "extra": 1}, 400, "unknown field 'extra'"),
         ("/tokenize", {"messages": []}, 400, "messages"),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+        ("/tokenize", {"messages": [{"role": "function", "content": "x"}]}, 400, "messages.0.role"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "tool", "content": "x"}]},
+            400,
+            "messages[0].tool_call_id is required",
+        ),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required"),
         (
             "/tokenize",

@@ -195,3 +195,19 @@ def test_refusals_name_the_field(server, body, param, words):
 def test_best_of_equal_to_n_is_n(client):
     resp = client.completions.create(model=MODEL, prompt="b", n=2, best_of=2, max_tokens=2)
     assert len(resp.choices) == 2
+
+
+def test_more_choices_than_the_concurrency_limit_is_a_400_not_a_429():
+    """A request whose prompts x n exceed the server's concurrent-request limit could never be
+    admitted: 400 naming n (or prompt when n=1) and the limit, not a 429 to retry."""
+    from fastdeploy.entrypoints.openai.choices import check_n
+    from fastdeploy.entrypoints.openai.errors import APIError
+
+    check_n(4, 128, max_choices=512)  # exactly at the limit
+    with pytest.raises(APIError) as e:
+        check_n(128, 100, max_choices=512)
+    assert e.value.status == 400 and e.value.param == "n"
+    assert "12800 choices" in e.value.message and "at most 512" in e.value.message
+    with pytest.raises(APIError) as e:
+        check_n(1, 1000, max_choices=512)
+    assert e.value.param == "prompt"

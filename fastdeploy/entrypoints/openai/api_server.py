@@ -21,7 +21,12 @@ from typing import Any
 
 from fastdeploy import envs
 from fastdeploy.entrypoints import launch
-from fastdeploy.entrypoints.server_args import make_arg_parser, request_limits, served_name
+from fastdeploy.entrypoints.server_args import (
+    make_arg_parser,
+    request_limits,
+    served_name,
+    tool_config,
+)
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -83,6 +88,7 @@ def serve(
         limits=http_limits,
         stop_limits=stop_limits,
         api_keys=args.api_key or (),
+        tool_config=tool_config(args),
     )
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown, then our lifespan stops the engine) and
     # afterwards re-raises the signal to the handler installed before it ran. This one makes

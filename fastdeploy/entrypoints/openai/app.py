@@ -55,6 +55,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_tokenization import add_fleet_routes, model_card
+from fastdeploy.entrypoints.openai.tool_config import ToolServingConfig
 from fastdeploy.entrypoints.server_args import DEFAULT_SERVED_MODEL_NAME
 
 logger = logging.getLogger("fastdeploy.api_server")
@@ -68,6 +69,7 @@ def build_app(
     limits: HTTPLimits | None = None,
     stop_limits: StopLimits | None = None,
     api_keys: Sequence[str] = (),
+    tool_config: ToolServingConfig | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. Its lifespan starts the engine loop and, on shutdown,
     awaits ``before_shutdown`` (the first of several API server processes waits for the others
@@ -77,7 +79,8 @@ def build_app(
     (:class:`RequestLimitsMiddleware`; the header size and header read timeout are the uvicorn
     protocol's, :meth:`HTTPLimits.uvicorn_kwargs`); defaults when None. ``stop_limits``: the
     caps on ``stop`` and ``stop_token_ids``. ``api_keys``: when any, every route but
-    :data:`~fastdeploy.entrypoints.openai.auth.OPEN_PATHS` needs one (:class:`APIKeyMiddleware`)."""
+    :data:`~fastdeploy.entrypoints.openai.auth.OPEN_PATHS` needs one (:class:`APIKeyMiddleware`).
+    ``tool_config``: the tool flags (:class:`ToolServingConfig`; defaults when None)."""
     limits = limits or HTTPLimits()
     stop_limits = stop_limits or StopLimits()
 
@@ -101,7 +104,7 @@ def build_app(
     app.add_middleware(RequestLimitsMiddleware, limits=limits, on_refused=count_refusal)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=list(api_keys), on_refused=count_refusal)
-    chat = OpenAIServingChat(engine, served_model_name, stop_limits)
+    chat = OpenAIServingChat(engine, served_model_name, stop_limits, tool_config)
     completion = OpenAIServingCompletion(engine, served_model_name, stop_limits)
 
     def refuse(error: APIError, body: Any = None) -> JSONResponse:

@@ -19,6 +19,8 @@ vllm/v1/engine/parallel_sampling.py).
 
 Seeds: choice ``j`` samples with ``seed + j`` (mod 2**64), as vLLM's ``ParentRequest`` derives a
 child's seed from the parent's; choice 0 keeps the request's seed, so ``n=1`` answers as before.
+The rule and the admission order are shared with the offline ``LLM``:
+:mod:`fastdeploy.core.parallel_sampling`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
+from fastdeploy.core.parallel_sampling import choice_params
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.entrypoints.engine_client.async_engine import RequestStream
 from fastdeploy.entrypoints.openai.errors import bad_request
@@ -38,15 +41,16 @@ from fastdeploy.entrypoints.openai.serving_utils import DISCONNECT_POLL_S
 #: Largest ``n`` a request may ask for (OpenAI's limit).
 MAX_N = 128
 
-#: Choice seeds wrap at the range of a generator's seed (``SamplingParams.seed < 2**64``).
-SEED_MODULUS = 2**64
-
 #: ``admit(engine request id, prompt index, sampling params) -> stream``; raises ``APIError``.
 Admit = Callable[[str, int, SamplingParams], RequestStream]
 
 
 def check_n(
-    n: int, num_prompts: int = 1, kv_transfer_params: Any = None, best_of: int | None = None
+    n: int,
+    num_prompts: int = 1,
+    kv_transfer_params: Any = None,
+    best_of: int | None = None,
+    max_choices: int | None = None,
 ) -> None:
     """The rules of ``n`` (and of several prompts, and ``best_of``) for one request.
 
@@ -55,7 +59,10 @@ def check_n(
             when it is neither null nor ``n`` (``best_of > n`` would rank candidates by their
             log-probability, which is not implemented; below ``n`` it is invalid, as in
             OpenAI's API); naming ``n`` (or ``prompt``) when a PD leg (``kv_transfer_params``)
-            asks for more than one choice (one leg is one request).
+            asks for more than one choice (one leg is one request); naming ``n`` (or
+            ``prompt``) when ``num_prompts * n`` exceeds ``max_choices`` (the server's limit of
+            concurrent engine requests: such a request could never be admitted, so it is not a
+            429 to retry).
     """
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n={n} is invalid; allowed: an integer in [1, {MAX_N}]", "n")
@@ -65,6 +72,13 @@ def check_n(
             "request's n)",
             "best_of",
         )
+    if max_choices is not None and n * num_prompts > max_choices:
+        raise bad_request(
+            f"{num_prompts} prompt(s) x n={n} = {n * num_prompts} choices is invalid; allowed: "
+            f"at most {max_choices} choices per request (the server's limit of concurrent "
+            "requests, --max-concurrency)",
+            "n" if n > 1 else "prompt",
+        )
     if kv_transfer_params is not None and n * num_prompts > 1:
         param = "n" if n > 1 else "prompt"
         raise bad_request(
@@ -72,21 +86,6 @@ def check_n(
             f"prompt(s) and n={n}",
             param,
         )
-
-
-def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The sampling parameters of choice ``j`` (0-based, within one prompt's ``n``): the
-    request's, with ``seed + j`` (mod :data:`SEED_MODULUS`) for a seeded request (vLLM's rule,
-    vllm/v1/engine/parallel_sampling.py ``ParentRequest``), and without ``prompt_logprobs`` for
-    ``j > 0``: a request asking for them never reads the prefix cache (it would prefill the prompt
-    again), and the prompt's log-probabilities are the same for every choice (choice 0 carries
-    them)."""
-    if j == 0:
-        return params
-    changes: dict[str, Any] = {"prompt_logprobs": None}
-    if params.seed is not None:
-        changes["seed"] = (params.seed + j) % SEED_MODULUS
-    return dataclasses.replace(params, **changes)
 
 
 @dataclasses.dataclass

@@ -130,7 +130,9 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    #: OpenAI's tool calling (chat only; checked and planned by
+    #: :mod:`~fastdeploy.entrypoints.openai.tool_request`, which refuses them on completions).
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -163,13 +165,6 @@ class SamplingFields(StrictModel):
             )
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _empty(cls, v, info: ValidationInfo):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported (only null or empty)")
-        return v
-
     @field_validator("response_format")
     @classmethod
     def _format_type(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -179,13 +174,6 @@ class SamplingFields(StrictModel):
                 f"response_format type {v.get('type')!r} is not supported; allowed: "
                 + ", ".join(kinds)
             )
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError('tool_choice is not supported (only "none" or "auto" without tools)')
         return v
 
 
@@ -209,7 +197,7 @@ ALLOWED_PART_TYPES: tuple[str, ...] = ("text",)
 
 #: Roles whose messages must carry ``content`` (OpenAI's rule: only an assistant message may
 #: leave it out, where it carries tool calls instead).
-CONTENT_REQUIRED_ROLES: tuple[str, ...] = ("system", "developer", "user")
+CONTENT_REQUIRED_ROLES: tuple[str, ...] = ("system", "developer", "user", "tool")
 
 
 def check_chat_messages(messages: Any) -> None:
@@ -243,6 +231,7 @@ def check_chat_messages(messages: Any) -> None:
                 f"messages[{i}].content is required for a {role} message (only an assistant "
                 "message may leave it out); allowed: a string or a list of text parts"
             )
+        _check_tool_fields(i, message)
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
@@ -265,13 +254,78 @@ def check_chat_messages(messages: Any) -> None:
             )
 
 
+def _check_tool_fields(i: int, message: dict[str, Any]) -> None:
+    """OpenAI's rules on the tool fields of message ``i``: ``tool_call_id`` (a non-empty
+    string) on every ``tool`` message and only there; ``tool_calls`` only on an ``assistant``
+    message, each ``{"id", "type": "function", "function": {"name", "arguments"}}`` with a
+    JSON string as ``arguments``.
+
+    Raises:
+        ValueError: naming the field (``messages[i].tool_calls[j].function.arguments``) and
+            what is allowed.
+    """
+    role = message.get("role")
+    call_id = message.get("tool_call_id")
+    if role == "tool" and not (isinstance(call_id, str) and call_id):
+        raise ValueError(
+            f"messages[{i}].tool_call_id is required for a tool message; allowed: the id of "
+            "the assistant's tool call this message answers (a non-empty string)"
+        )
+    if role != "tool" and call_id is not None:
+        raise ValueError(
+            f"messages[{i}].tool_call_id is only allowed on a tool message, not on a {role} message"
+        )
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if role != "assistant":
+        raise ValueError(
+            f"messages[{i}].tool_calls is only allowed on an assistant message, not on a "
+            f"{role} message"
+        )
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls is not a list; allowed: a list of tool calls")
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}'
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise ValueError(f"{where} is {json.dumps(call)[:200]}; allowed: {shape}")
+        fn = call.get("function")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise ValueError(f"{where}.id is missing; allowed: a non-empty string")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}.function.name is missing; allowed: {shape}")
+        args = fn.get("arguments")
+        if not isinstance(args, str):
+            raise ValueError(
+                f"{where}.function.arguments is {json.dumps(args)[:200]}; allowed: the "
+                "arguments as a JSON string"
+            )
+
+
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(StrictModel):
+    """An assistant message's tool call (OpenAI's ``ChatCompletionMessageToolCall``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
     """One chat message. ``content`` may be left out (or null) only by an ``assistant``
-    message, as in OpenAI's API; :func:`check_chat_messages` enforces it at the request."""
+    message, as in OpenAI's API; :func:`check_chat_messages` enforces it at the request, and
+    the rules on ``tool_calls`` (assistant only) and ``tool_call_id`` (tool only, required)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -480,9 +534,33 @@ class WithPromptLogprobs(OpenAIModel):
         return data
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    #: The arguments as a JSON string (OpenAI's form).
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    """A tool call of an answer: ``id`` is ``chatcmpl-tool-<32 hex>`` (vLLM's form)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIModel):
+    """The answer's message; ``tool_calls`` is left out when the answer made none."""
+
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls", 0) is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(OpenAIModel):
@@ -581,8 +659,8 @@ def dump(model: BaseModel) -> dict[str, Any]:
 # vLLM's bodies of ``POST /tokenize`` and ``POST /detokenize`` (vLLM v0.11.0,
 # vllm/entrypoints/openai/protocol.py: TokenizeCompletionRequest, TokenizeChatRequest,
 # TokenizeResponse, DetokenizeRequest, DetokenizeResponse); fields vLLM has for multimodal
-# inputs, tools and custom templates (``mm_processor_kwargs``, ``tools``, ``chat_template``) are
-# unknown fields here, refused as such.
+# inputs and custom templates (``mm_processor_kwargs``, ``chat_template``) are unknown fields
+# here, refused as such.
 class TokenizeCompletionRequest(StrictModel):
     """``/tokenize`` of a text. ``add_special_tokens`` (default true, as vLLM): the tokenizer's
     own additions (a BOS token, for models that have one)."""
@@ -629,6 +707,8 @@ class TokenizeChatRequest(StrictModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's field: the tools the template lists, as on the chat endpoint.
+    tools: list[Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -94,6 +94,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         self.check_echo(req)
+        for name, neutral in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
+            if getattr(req, name) not in neutral:
+                raise bad_request(
+                    f"{name} is not supported on /v1/completions (tool calling is served by "
+                    "/v1/chat/completions); allowed here: null",
+                    name,
+                )
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
@@ -109,7 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
             # a wait for the GIL while the loop streamed other requests (5-6 ms median at 64
             # streams on an H200 host, against 0.06 ms inline).
             prompts = self.tokenize_prompts(req)
-        check_n(req.n, len(prompts), req.kv_transfer_params, req.best_of)
+        check_n(
+            req.n, len(prompts), req.kv_transfer_params, req.best_of,
+            getattr(self.engine, "max_concurrency", None),
+        )  # fmt: skip
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # Left out, max_tokens is OpenAI's default of 16, a cap that never refuses a request.
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None

@@ -35,6 +35,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     dump,
 )
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastdeploy.entrypoints.openai.tool_request import check_tools
 
 
 class OpenAIServingTokenization:
@@ -61,6 +62,7 @@ class OpenAIServingTokenization:
                 req.add_generation_prompt,
                 req.add_special_tokens,
                 req.chat_template_kwargs,
+                check_tools(req.tools) if req.tools else None,
             )
         else:
             chat.require_tokenizer("/tokenize", "prompt")

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from fastdeploy.core.detokenizer import TextOffsets, TokenBytes
 from fastdeploy.core.sampling_params import SamplingParams, StopLimitError, StopLimits
+from fastdeploy.core.structured_output import StructuredOutputsParams
 from fastdeploy.entrypoints.engine_client.async_engine import (
     EngineDeadError,
     QueueFullError,
@@ -63,6 +64,7 @@ def sampling_params_from(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     stop_limits: StopLimits | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Build :class:`SamplingParams` from a request's OpenAI fields, for one choice (``n`` is
     the handler's: :mod:`~fastdeploy.entrypoints.openai.choices` derives each choice's own).
@@ -71,7 +73,9 @@ def sampling_params_from(
     request run until eos or ``max_model_len``. ``logit_bias`` keys are token ids written as
     strings (OpenAI's form). ``stop_limits``: the server's caps on ``stop`` and
     ``stop_token_ids`` (``--max-stop-strings`` and co; the defaults of :class:`StopLimits` when
-    None).
+    None). ``structured_outputs``: a constraint the handler built (a tool call grammar of
+    :mod:`~fastdeploy.entrypoints.openai.tool_request`), used instead of the request's own
+    fields (the handler has refused a request that sets both).
 
     Raises:
         APIError: 400 for a ``logit_bias`` key that is not a token id, stop
@@ -104,7 +108,8 @@ def sampling_params_from(
         raise APIError(
             400, str(e), param=e.field, code="invalid_value", reason="stop_limit"
         ) from None
-    structured_outputs = structured_outputs_from(req)
+    if structured_outputs is None:
+        structured_outputs = structured_outputs_from(req)
     try:
         return SamplingParams(
             n=1,
