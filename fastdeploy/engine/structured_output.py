@@ -9,8 +9,9 @@ it to the logits before sampling), in code of its own:
 * compile: :meth:`StructuredOutputs.add` submits ``(kind, spec)`` to a compile thread when the
   request arrives; the request waits outside the scheduler until the compile has ended (the
   engine's ``compiling``; a 400 after ``FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S``), so the step
-  loop never waits for a compile and other requests run meanwhile. Compiled grammars are cached by ``(kind, spec)`` (a dict of futures, so
-  concurrent requests with one schema compile it once; xgrammar's compiler caches too).
+  loop never waits for a compile and other requests run meanwhile. Compiled grammars are
+  cached by ``(kind, spec)`` (a dict of futures, so concurrent requests with one schema compile
+  it once; xgrammar's compiler caches too).
   Why compile here and ship specs, not compiled grammars: a ``CompiledGrammar`` can be
   serialized (``serialize_json``) but carries its per-token mask cache (megabytes for a 49k
   vocabulary), the server would need the tokenizer info, and the cache here already makes a
