@@ -138,6 +138,12 @@ class StructuredOutputs:
         error = future.exception()
         return True if error is None else error
 
+    @property
+    def alive(self) -> bool:
+        """Whether any request with a grammar is compiling or decoding (steps without one
+        skip every per-row walk)."""
+        return bool(self._pending or self._matchers)
+
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._matchers
 
@@ -154,7 +160,7 @@ class StructuredOutputs:
         """int32 ``[num_sampling_rows, ceil(vocab_size / 32)]`` on the host, bit ``t`` of a row
         set when token ``t`` is allowed (xgrammar's layout), rows in the order of the step's
         sampling requests; None when no sampling request of ``sched`` has a grammar."""
-        if not self._pending and not self._matchers:  # no grammar request alive: no row walk
+        if not self.alive:  # no grammar request alive: no row walk
             return None
         rows = [s.request.request_id for s in sched.scheduled if s.samples]
         grammar_rows = [i for i, rid in enumerate(rows) if self.has_grammar(rid)]
