@@ -128,7 +128,7 @@ class StepPipeline:
         outputs (none when no step is due), each built by ``token_output`` (the engine's; given
         per call, so the pipeline holds no reference to the engine)."""
         grammars = self.grammars
-        if grammars is not None and not sched.is_empty:
+        if grammars is not None and grammars.alive and not sched.is_empty:
             flight = self.in_flight
             if flight is not None and self._samples_grammar(sched):
                 # The masks of sched need the in-flight tokens accepted (module docstring): the

@@ -9,8 +9,9 @@ it to the logits before sampling), in code of its own:
 * compile: :meth:`StructuredOutputs.add` submits ``(kind, spec)`` to a compile thread when the
   request arrives; the request waits outside the scheduler until the compile has ended (the
   engine's ``compiling``; a 400 after ``FD_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S``), so the step
-  loop never waits for a compile and other requests run meanwhile. Compiled grammars are cached by ``(kind, spec)`` (a dict of futures, so
-  concurrent requests with one schema compile it once; xgrammar's compiler caches too).
+  loop never waits for a compile and other requests run meanwhile. Compiled grammars are
+  cached by ``(kind, spec)`` (a dict of futures, so concurrent requests with one schema compile
+  it once; xgrammar's compiler caches too).
   Why compile here and ship specs, not compiled grammars: a ``CompiledGrammar`` can be
   serialized (``serialize_json``) but carries its per-token mask cache (megabytes for a 49k
   vocabulary), the server would need the tokenizer info, and the cache here already makes a
@@ -137,6 +138,12 @@ class StructuredOutputs:
         error = future.exception()
         return True if error is None else error
 
+    @property
+    def alive(self) -> bool:
+        """Whether any request with a grammar is compiling or decoding (steps without one
+        skip every per-row walk)."""
+        return bool(self._pending or self._matchers)
+
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._matchers
 
@@ -153,7 +160,7 @@ class StructuredOutputs:
         """int32 ``[num_sampling_rows, ceil(vocab_size / 32)]`` on the host, bit ``t`` of a row
         set when token ``t`` is allowed (xgrammar's layout), rows in the order of the step's
         sampling requests; None when no sampling request of ``sched`` has a grammar."""
-        if not self._pending and not self._matchers:  # no grammar request alive: no row walk
+        if not self.alive:  # no grammar request alive: no row walk
             return None
         rows = [s.request.request_id for s in sched.scheduled if s.samples]
         grammar_rows = [i for i, rid in enumerate(rows) if self.has_grammar(rid)]

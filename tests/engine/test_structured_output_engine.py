@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+from structured_cases import ASK, MIXED, REGEX, SCHEMA, params
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.core.structured_output import StructuredOutputsParams
@@ -18,30 +19,6 @@ from fastdeploy.core.structured_output import StructuredOutputsParams
 pytestmark = pytest.mark.slow
 
 ENGINE = dict(max_model_len=512, max_num_seqs=4, block_size=16, num_gpu_blocks_override=200)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "kind": {"enum": ["capital", "town"]},
-        "rivers": {"type": "array", "items": {"type": "string", "maxLength": 15}, "maxItems": 2},
-    },
-    "required": ["city", "kind", "rivers"],
-}
-REGEX = r"(Paris|Rome|Berlin)\."
-ASK = [[{"role": "user", "content": q}] for q in (
-    "Describe the capital of France as JSON.",
-    "What is the capital of Italy? One word.",
-    "What is the capital of France?",
-    "Name a colour.",
-)]  # fmt: skip
-
-
-def params(so: StructuredOutputsParams | None) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=80, structured_outputs=so)
-
-
-MIXED = [params(StructuredOutputsParams(json=SCHEMA)), params(StructuredOutputsParams(regex=REGEX)),
-         params(None), params(None)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.entrypoints.engine_client.output_processor import CompletionOutput, RequestOutput
 from fastdeploy.entrypoints.openai.choices import Choice
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
-from fastdeploy.entrypoints.openai.protocol import (
+from fastdeploy.entrypoints.openai.protocol_responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatLogprobs,

@@ -46,12 +46,8 @@ from fastdeploy.entrypoints.engine_client.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai.auth import APIKeyMiddleware, mask
 from fastdeploy.entrypoints.openai.errors import APIError, bad_request, validation_error
 from fastdeploy.entrypoints.openai.limits import HTTPLimits, RequestLimitsMiddleware
-from fastdeploy.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelList,
-    dump,
-)
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy.entrypoints.openai.protocol_responses import ModelList, dump
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_tokenization import add_fleet_routes, model_card

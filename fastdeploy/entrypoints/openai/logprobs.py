@@ -5,9 +5,9 @@ and ``bytes`` come from :class:`~fastdeploy.core.detokenizer.TokenBytes` (never 
 token alone), so tokens that hold part of a UTF-8 character keep distinct, exact bytes.
 
 Both functions return plain JSON-ready values with the fields, in order, of the protocol models
-(:class:`~fastdeploy.entrypoints.openai.protocol.TokenLogprob`,
-:class:`~fastdeploy.entrypoints.openai.protocol.CompletionLogprobs`): streamed chunks encode them
-as they are, and whole responses validate them into those models.
+(:class:`~fastdeploy.entrypoints.openai.protocol_responses.TokenLogprob`,
+:class:`~fastdeploy.entrypoints.openai.protocol_responses.CompletionLogprobs`): streamed chunks
+encode them as they are, and whole responses validate them into those models.
 """
 
 from __future__ import annotations

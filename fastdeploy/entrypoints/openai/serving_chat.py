@@ -20,12 +20,11 @@ from fastdeploy.entrypoints.openai.choices import (
 )
 from fastdeploy.entrypoints.openai.errors import APIError, api_error_from, bad_request
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
-from fastdeploy.entrypoints.openai.protocol import (
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from fastdeploy.entrypoints.openai.protocol_responses import (
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     dump,
     usage_of,
@@ -229,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
         failure becomes an error event. Each chunk is a ``ChatCompletionChunk`` with one choice
         and its ``index``, encoded through a :class:`ChunkTemplate`. The usage counts the prompt
         once and sums every choice's tokens; its ``cached_tokens`` are the first choice's first
-        output's (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`).
+        output's (:func:`~fastdeploy.entrypoints.openai.protocol_responses.cached_prompt_tokens`).
 
         With a ``plan`` that parses tool calls, each choice's text goes through a
         :class:`HermesStreamParser` of its own: deltas carry ``content`` and/or ``tool_calls``,

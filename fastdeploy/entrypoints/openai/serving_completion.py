@@ -29,9 +29,9 @@ from fastdeploy.entrypoints.openai.logprobs import (
     echo_logprobs,
     vllm_prompt_logprobs,
 )
-from fastdeploy.entrypoints.openai.protocol import (
+from fastdeploy.entrypoints.openai.protocol import CompletionRequest
+from fastdeploy.entrypoints.openai.protocol_responses import (
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     cached_prompt_tokens,
     dump,
@@ -250,7 +250,8 @@ class OpenAIServingCompletion(OpenAIServing):
         chunk, then ``[DONE]``. Each chunk is a ``CompletionResponse`` with one choice and its
         ``index``, encoded through a :class:`ChunkTemplate`. The usage counts each prompt once
         and sums every choice's tokens; its ``cached_tokens`` are each prompt's first choice's
-        first output's (:func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens`)."""
+        first output's
+        (:func:`~fastdeploy.entrypoints.openai.protocol_responses.cached_prompt_tokens`)."""
         template = ChunkTemplate(
             request_id, "text_completion", int(time.time()), self.served_model_name
         )

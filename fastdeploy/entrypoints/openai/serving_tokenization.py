@@ -28,12 +28,11 @@ from fastdeploy.entrypoints.openai.errors import bad_request, validation_error
 from fastdeploy.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    dump,
 )
+from fastdeploy.entrypoints.openai.protocol_responses import ModelCard, dump
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.tool_request import check_tools
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastdeploy.entrypoints.engine_client.async_engine import RequestStream
 from fastdeploy.entrypoints.openai.errors import api_error_from
-from fastdeploy.entrypoints.openai.protocol import cached_prompt_tokens
+from fastdeploy.entrypoints.openai.protocol_responses import cached_prompt_tokens
 
 #: The event that ends every stream.
 DONE = "data: [DONE]\n\n"
@@ -70,8 +70,8 @@ class ChunkTemplate:
         self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
     ) -> str:
         """The closing event with no choice and the usage (``stream_options.include_usage``):
-        what :func:`~fastdeploy.entrypoints.openai.protocol.usage_of` gives for the same counts
-        (tokens), ``prompt_tokens_details.cached_tokens`` included."""
+        what :func:`~fastdeploy.entrypoints.openai.protocol_responses.usage_of` gives for the same
+        counts (tokens), ``prompt_tokens_details.cached_tokens`` included."""
         total = num_prompt_tokens + num_completion_tokens
         cached = cached_prompt_tokens(num_cached_tokens, num_prompt_tokens)
         return (
@@ -85,7 +85,7 @@ class StreamUsage:
     """What a stream's closing usage event counts, fed each output in turn by the renderer:
     completion tokens (each output's new token ids, summed over every choice) and cached prompt
     tokens (the first output's of each prompt, as
-    :func:`~fastdeploy.entrypoints.openai.protocol.cached_prompt_tokens` takes them).
+    :func:`~fastdeploy.entrypoints.openai.protocol_responses.cached_prompt_tokens` takes them).
 
     Args:
         num_prompt_tokens: the prompt length (tokens; summed over the prompts of a batch: each
