@@ -157,8 +157,9 @@ class LLMEngine:
             self.worker = make_worker(self.config, self.plan)
         try:
             self._start(config)
+            with self.startup.phase("heap_freeze"):  # full collections skip the start-up heap
+                freeze_startup_heap("engine", gc_freeze)
             logger.info("start-up phases: %s", self.startup.describe())
-            freeze_startup_heap("engine", gc_freeze)  # full collections skip the start-up heap
         except BaseException:
             if self.kv_event_publisher is not None:
                 self.kv_event_publisher.shutdown()  # closes its sockets and thread
@@ -168,9 +169,7 @@ class LLMEngine:
     def _start(self, config: FDConfig) -> None:
         """Load the model, size and allocate the KV cache, capture graphs, build the scheduler
         and the PD role (the rest of ``__init__``, undone by the caller if it raises)."""
-        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager, fit_max_model_len
-        from fastdeploy.core.stop_checker import StopChecker
-        from fastdeploy.scheduler.scheduler import Scheduler
+        from fastdeploy.cache_manager.kv_cache_manager import fit_max_model_len
 
         cache = self.config.cache_config
         num_host_blocks = 0
@@ -199,6 +198,18 @@ class LLMEngine:
         for name, seconds in parts.items():
             self.startup.add(name, seconds)
         self.startup.add("warmup_other", max(elapsed - sum(parts.values()), 0.0))
+        with phase("engine_setup"):  # scheduler, step pipeline, PD role, KV events
+            self._build_scheduling(config, num_blocks, num_host_blocks)
+
+    def _build_scheduling(self, config: FDConfig, num_blocks: int, num_host_blocks: int) -> None:
+        """The rest of start-up once the model is served: the KV cache manager, the host tier,
+        the scheduler, the step pipeline, the capture pacer, the PD role and the KV-event
+        publisher (part of ``__init__``)."""
+        from fastdeploy.cache_manager.kv_cache_manager import KVCacheManager
+        from fastdeploy.core.stop_checker import StopChecker
+        from fastdeploy.scheduler.scheduler import Scheduler
+
+        cache = self.config.cache_config
         events = config.kv_events_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -516,7 +527,7 @@ class LLMEngine:
 
         While graphs are captured in the background, one graph is captured first when the
         capture pacer (:class:`~fastdeploy.model_executor.graph_optimization.capture_order.
-        GapPacer`) allows: capture takes at most ``FD_GRAPH_CAPTURE_BUSY_SHARE`` (default half)
+        GapPacer`) allows: capture takes at most ``FD_GRAPH_CAPTURE_BUSY_SHARE`` (default a third)
         of the wall time while requests run.
 
         A request the :class:`~fastdeploy.core.stop_checker.StopChecker` ends is finished in
