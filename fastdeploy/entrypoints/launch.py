@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
+import importlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +82,8 @@ def run_server(args: argparse.Namespace, serve: ServeFn) -> int:
         problems = server_not_supported(args, config.parallel_config.splitwise_role)
         if problems:
             raise ValueError("; ".join(problems))
+        if not args.disable_frontend_multiprocessing:
+            import_http_stack_in_background()  # while the engine process loads the model
         try:
             core = place_engine(args, config, plan)
         except EngineStartError as e:
@@ -92,6 +96,39 @@ def run_server(args: argparse.Namespace, serve: ServeFn) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return serve_with_engine(args, config, core, serve)
+
+
+#: What the HTTP layer imports once the engine is ready (api_server.serve); imported earlier,
+#: on a thread, they cost nothing between the engine's "ready" and the port's first answer.
+HTTP_STACK_MODULES = (
+    "uvicorn",
+    "fastapi",
+    "fastdeploy.metrics",
+    "fastdeploy.entrypoints.engine_client.async_engine",
+    "fastdeploy.entrypoints.openai.app",
+    "fastdeploy.entrypoints.openai.api_workers",
+)
+
+
+def import_http_stack_in_background() -> threading.Thread:
+    """Import :data:`HTTP_STACK_MODULES` on a daemon thread and return it (started).
+
+    The API server process has nothing to do while its engine process loads the model, and
+    the web stack's imports (about 0.4-0.8 s) would otherwise run after the engine is ready,
+    delaying ``/health`` and the first token by as much (issue #47). An import that fails here
+    is ignored: ``serve`` imports the same modules again and raises it there, as before."""
+
+    def run() -> None:
+        for name in HTTP_STACK_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - raised again, in context, by serve
+                logger.debug("pre-import of %s failed", name, exc_info=True)
+                return
+
+    thread = threading.Thread(target=run, name="fastdeploy-import-http", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_host(args: argparse.Namespace, engine_args: EngineArgs) -> None:
