@@ -210,7 +210,7 @@ FD_GRAPH_CAPTURE_BUSY_SHARE = EnvVar(
     "FD_GRAPH_CAPTURE_BUSY_SHARE",
     "float",
     _parse_share,
-    0.5,
+    1 / 3,
     "While CUDA graphs are captured in the background (capture_in_background) and requests "
     "run, the most of the wall clock that capture may take: after a capture of c seconds the "
     "engine runs steps for c * (1 - share) / share seconds before the next. Higher finishes "

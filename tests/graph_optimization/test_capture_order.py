@@ -150,4 +150,4 @@ def test_the_busy_share_comes_from_the_environment_and_is_checked(monkeypatch):
         with pytest.raises(ValueError, match="FD_GRAPH_CAPTURE_BUSY_SHARE=.*> 0 and <= 1"):
             envs.FD_GRAPH_CAPTURE_BUSY_SHARE()
     monkeypatch.delenv("FD_GRAPH_CAPTURE_BUSY_SHARE")
-    assert envs.FD_GRAPH_CAPTURE_BUSY_SHARE() == 0.5
+    assert envs.FD_GRAPH_CAPTURE_BUSY_SHARE() == pytest.approx(1 / 3)
