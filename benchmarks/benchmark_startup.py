@@ -12,7 +12,7 @@ one after (the issue's bound: at most 2x). One command::
 
     python benchmarks/benchmark_startup.py                       # the default GGUF
     python benchmarks/benchmark_startup.py --serve-args "--model /path/llama3-8b \\
-        --load-format dummy --max-model-len 4096"
+        --load-format dummy --skip-tokenizer-init --max-model-len 4096"
     python benchmarks/benchmark_startup.py --serve-args "... --graph-optimization-config \\
         '{\\"capture_in_background\\": false}'"   # today's blocking capture, to compare
 
@@ -43,9 +43,13 @@ LOG_MARKS = {
     "weights_loaded": re.compile(r"\bloaded \S+: \d+ layers"),
     "kv_allocated": re.compile(r"KV cache: \d+ blocks x"),
     "serving_before_capture": re.compile(r"serving before capture"),
+    "engine_ready": re.compile(r"engine process \d+ is ready"),
+    "http_started": re.compile(r"engine loop started"),
     "capture_done": re.compile(r"background capture done|captured \d+ CUDA graphs"),
 }
-PROMPT = "Write a long story about a lighthouse keeper and the sea."
+#: The request's prompt, as token ids: it works with and without a tokenizer (dummy weights
+#: serve with ``--skip-tokenizer-init``, and then stream ``token_ids`` instead of text).
+PROMPT_IDS = list(range(1000, 1032))
 
 
 @dataclass
@@ -55,6 +59,8 @@ class Startup:
     weights_loaded: float | None = None
     kv_allocated: float | None = None
     serving_before_capture: float | None = None
+    engine_ready: float | None = None
+    http_started: float | None = None
     health: float | None = None
     first_token: float | None = None
     all_captured: float | None = None
@@ -62,7 +68,18 @@ class Startup:
     graphs: dict | None = None
     tpot_during_capture_ms: float | None = None
     tpot_after_capture_ms: float | None = None
+    #: With ``--compare-blocking``: the seconds a server started with capture_in_background
+    #: false spent capturing before serving (its ``graph_capture.seconds``).
+    blocking_capture_s: float | None = None
     marks: dict = field(default_factory=dict)
+
+    @property
+    def background_capture_wall_s(self) -> float | None:
+        """Seconds from "serving before capture" to "background capture done" (both log lines
+        of the server, timestamped as they arrived); None unless both were seen."""
+        if self.serving_before_capture is None or self.capture_done_log is None:
+            return None
+        return round(self.capture_done_log - self.serving_before_capture, 3)
 
     def checks(self) -> list[tuple[str, bool | None]]:
         """The issue's done-when items that this run can judge (None: cannot tell)."""
@@ -79,6 +96,11 @@ class Startup:
             (
                 "/health ready before capture ends",
                 ok(lambda: self.health < self.all_captured, self.health, self.all_captured),
+            ),
+            (
+                "background capture done within 1.2x of the blocking capture",
+                ok(lambda: self.background_capture_wall_s <= 1.2 * self.blocking_capture_s,
+                   self.background_capture_wall_s, self.blocking_capture_s),
             ),
             (
                 "decode TPOT during capture <= 2x steady state",
@@ -101,8 +123,9 @@ def mark_log_lines(lines, t0: float, marks: dict, clock=time.monotonic) -> None:
 
 def stream_token_times(url: str, max_tokens: int, deadline: float) -> list[float]:
     """Send one streamed completion (retrying while the port refuses it or the server answers
-    503) and return the ``time.monotonic()`` of every chunk that carries text."""
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    503) and return the ``time.monotonic()`` of every chunk that carries text (or token ids,
+    from a server without a tokenizer)."""
+    body = {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
     while time.monotonic() < deadline:
         try:
@@ -115,7 +138,8 @@ def stream_token_times(url: str, max_tokens: int, deadline: float) -> list[float
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
-                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        choice = (chunk.get("choices") or [{}])[0]
+                        if choice.get("text") or choice.get("token_ids"):
                             times.append(time.monotonic())
             return times
         except httpx.TransportError:
@@ -138,6 +162,22 @@ def split_tpot(times: list[float], boundary: float | None) -> tuple[float | None
     before = [t for t in times if t <= boundary]
     after = [t for t in times if t > boundary]
     return mean_gap_ms(before), mean_gap_ms(after)
+
+
+def with_blocking_capture(serve_args: str) -> str:
+    """``serve_args`` with ``capture_in_background`` false in its
+    ``--graph-optimization-config`` (added to the JSON given there, or a new flag)."""
+    args = shlex.split(serve_args)
+    flag = "--graph-optimization-config"
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            args[i + 1] = json.dumps({**json.loads(args[i + 1]), "capture_in_background": False})
+            return shlex.join(args)
+        if arg.startswith(flag + "="):
+            given = json.loads(arg.split("=", 1)[1])
+            args[i] = f"{flag}={json.dumps({**given, 'capture_in_background': False})}"
+            return shlex.join(args)
+    return shlex.join([*args, flag, json.dumps({"capture_in_background": False})])
 
 
 def run(serve_args: str, max_tokens: int, timeout_s: float) -> Startup:
@@ -215,7 +255,9 @@ def run(serve_args: str, max_tokens: int, timeout_s: float) -> Startup:
         except ProcessLookupError:
             pass
         reader.join(timeout=5)
-    for name in ("weights_loaded", "kv_allocated", "serving_before_capture"):
+    for name in (
+        "weights_loaded", "kv_allocated", "serving_before_capture", "engine_ready", "http_started"
+    ):  # fmt: skip
         setattr(result, name, result.marks.get(name))
     result.capture_done_log = result.marks.get("capture_done")
     return result
@@ -234,11 +276,15 @@ def report(r: Startup) -> str:
     lines = [
         f"weights loaded          {s(r.weights_loaded)}",
         f"KV cache allocated      {s(r.kv_allocated)}",
+        f"engine process ready    {s(r.engine_ready)}",
+        f"HTTP server started     {s(r.http_started)}",
         f"/health ready           {s(r.health)}",
         f"first token (sent at 0) {s(r.first_token)}",
         f"all graphs captured     {s(r.all_captured)}"
         + (f"  ({g.get('captured')}/{g.get('total')}, {g.get('failed')} failed, "
            f"{g.get('seconds')} s capturing, background={g.get('background')})" if g else ""),
+        f"capture wall (bg)       {s(r.background_capture_wall_s)}"
+        f"  vs blocking capture {s(r.blocking_capture_s)}",
         f"TPOT during capture     {ms(r.tpot_during_capture_ms)}",
         f"TPOT after capture      {ms(r.tpot_after_capture_ms)}",
     ]  # fmt: skip
@@ -262,11 +308,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds (default: 900)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument(
+        "--compare-blocking",
+        action="store_true",
+        help="then start the server again with capture_in_background false and judge the "
+        "background capture's wall time against that blocking capture's (at most 1.2x)",
+    )
     args = p.parse_args(argv)  # fmt: skip
     result = run(args.serve_args, args.max_tokens, args.timeout)
+    if args.compare_blocking:
+        blocking = run(with_blocking_capture(args.serve_args), args.max_tokens, args.timeout)
+        result.blocking_capture_s = (blocking.graphs or {}).get("seconds")
+        if not args.json:
+            print("-- blocking capture (capture_in_background false) --")
+            print(report(blocking))
+            print("-- background capture --")
     if not args.json:
         print(report(result))
-    print(json.dumps(asdict(result)))
+    print(
+        json.dumps(
+            {**asdict(result), "background_capture_wall_s": result.background_capture_wall_s}
+        )
+    )
     return 0
 
 

@@ -35,14 +35,42 @@ def test_tpot_is_split_at_the_end_of_capture():
 def test_checks_judge_only_what_was_measured():
     r = bench.Startup(weights_loaded=10.0, first_token=11.5, health=11.0, all_captured=15.0,
                       tpot_during_capture_ms=3.0, tpot_after_capture_ms=1.0)  # fmt: skip
-    assert [ok for _, ok in r.checks()] == [True, True, False]
-    assert [ok for _, ok in bench.Startup(weights_loaded=1.0).checks()] == [None, None, None]
+    assert [ok for _, ok in r.checks()] == [True, True, None, False]
+    assert [ok for _, ok in bench.Startup(weights_loaded=1.0).checks()] == [None] * 4
+    timed = bench.Startup(
+        serving_before_capture=20.0, capture_done_log=25.9, blocking_capture_s=5.0
+    )
+    assert timed.background_capture_wall_s == pytest.approx(5.9)
+    assert [ok for _, ok in timed.checks()][2] is True  # 5.9 <= 1.2 * 5.0
+    timed.blocking_capture_s = 4.0
+    assert [ok for _, ok in timed.checks()][2] is False  # 5.9 > 4.8
+
+
+def test_the_blocking_run_keeps_the_other_graph_keys():
+    import json
+    import shlex
+
+    def config_of(args):
+        parts = shlex.split(args)
+        return [json.loads(p.split("=", 1)[1]) if p.startswith("--graph-optimization-config=")
+                else json.loads(parts[i + 1]) for i, p in enumerate(parts)
+                if p.startswith("--graph-optimization-config")]  # fmt: skip
+
+    plain = bench.with_blocking_capture("--model m --max-model-len 512")
+    assert config_of(plain) == [{"capture_in_background": False}]
+    given = bench.with_blocking_capture("--graph-optimization-config '{\"graph_opt_level\": 0}'")
+    assert config_of(given) == [{"graph_opt_level": 0, "capture_in_background": False}]
+    joined = bench.with_blocking_capture("--graph-optimization-config='{\"use_cudagraph\": true}'")
+    assert config_of(joined) == [{"use_cudagraph": True, "capture_in_background": False}]
 
 
 @pytest.mark.slow
 def test_a_cpu_run_orders_the_start_up_marks():
     r = bench.run("--max-model-len 512", max_tokens=4, timeout_s=300)
-    assert r.weights_loaded < r.kv_allocated <= r.health <= r.first_token
+    assert r.weights_loaded < r.kv_allocated <= r.engine_ready <= r.http_started
+    # The log line and the /health poll are timed by two threads: a few ms either way.
+    assert r.engine_ready <= r.health and abs(r.health - r.http_started) < 1.0
+    assert r.health <= r.first_token
     assert r.graphs is None and r.all_captured is None  # no graphs on CPU
     assert r.tpot_after_capture_ms > 0
     assert "first token (sent at 0)" in bench.report(r)
