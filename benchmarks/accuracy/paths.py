@@ -37,6 +37,8 @@ class PathSpec:
     batch cannot fit and requests are preempted. ``evidence``: the engine counter that must be > 0
     for the path to have tested what it claims (``num_preemptions``, ``num_cached_tokens``,
     ``host_cache_hit_tokens``, ``kv_transfers``). ``model``: ``default`` (the GGUF) or ``tiny-moe``.
+    ``switching``: run on an engine that captures its graphs between the steps of these
+    requests (:mod:`accuracy.switching`).
     """
 
     name: str
@@ -50,6 +52,7 @@ class PathSpec:
     model: str = "default"
     pd: bool = False
     dtype: str | None = None
+    switching: bool = False
 
 
 def _host(mode: str) -> PathSpec:
@@ -75,6 +78,11 @@ PATHS: dict[str, PathSpec] = {
         PathSpec("overlap-on", "graphs as the platform allows, overlap schedule on", _GRAPHS),
         PathSpec("overlap-off", "as overlap-on with disable_overlap_schedule=true",
                  {**_GRAPHS, "disable_overlap_schedule": True}),
+        PathSpec("capture-switch", "graphs captured in the background between the steps of "
+                 "the requests (one per step), which enter one per step",
+                 {"graph_optimization_config": {"use_cudagraph": True,
+                                                "capture_in_background": True}},
+                 needs_cuda=True, switching=True, evidence="graph_switches"),
         PathSpec("fused-on", "graphs, FD_USE_FUSED_OPS=1", _GRAPHS, {"FD_USE_FUSED_OPS": "1"},
                  needs_cuda=True),
         PathSpec("fused-off", "graphs, FD_USE_FUSED_OPS=0", _GRAPHS, {"FD_USE_FUSED_OPS": "0"},

@@ -96,6 +96,10 @@ def run_path(
     with env_vars(spec.env):
         if spec.pd:
             return _run_pd(model, kwargs, prompts, max_new_tokens, schema)
+        if spec.switching:
+            from accuracy.switching import run_switching
+
+            return run_switching(model, kwargs, prompts, text_ids, max_new_tokens, schema)
         from fastdeploy import LLM, SamplingParams
 
         llm = LLM(model, **kwargs)

@@ -341,3 +341,47 @@ def test_load_schema_forms(tmp_path):
         load_schema("{nope")
     with pytest.raises(ValueError, match="allowed: an object"):
         load_schema("[1]")
+
+
+class FakeSwitchingEngine:
+    """An ``LLMEngine`` stand-in for ``capture-switch``: each request emits tokens 7, 8 over
+    two steps; one graph of four is 'captured' per step (as ``GapPacer(1.0)`` does)."""
+
+    def __init__(self):
+        self.added: list[tuple[int, str]] = []  # (step, request id)
+        self.steps = 0
+        self.tokens: dict[str, list[int]] = {}
+        self.captured = 0
+
+    def add_request(self, rid, ids, params):
+        self.added.append((self.steps, rid))
+        self.tokens[rid] = [7, 8]
+
+    def step(self):
+        from fastdeploy.core.outputs import EngineOutput
+
+        self.steps += 1
+        self.captured = min(self.captured + 1, 4)
+        outs = []
+        for rid, left in list(self.tokens.items()):
+            tok = left.pop(0)
+            lp = [{"token_id": tok, "logprob": -0.5, "top_logprobs": []}]
+            outs.append(EngineOutput(rid, [tok], lp, not left, "length" if not left else None))
+            if not left:
+                del self.tokens[rid]
+        return outs
+
+    def get_stats(self):
+        return {"graph_capture": {"captured": self.captured, "total": 4}}
+
+
+def test_capture_switch_path_staggers_requests_and_counts_switches():
+    from accuracy import switching
+
+    engine = FakeSwitchingEngine()
+    queue = [(f"g{i}", [1, 2], None) for i in range(3)]
+    outs, switches = switching._drive_staggered(engine, queue)
+    assert engine.added == [(0, "g0"), (1, "g1"), (2, "g2")]  # one request per step
+    assert [[t for o in outs[r] for t in o.new_token_ids] for r in outs] == [[7, 8]] * 3
+    assert switches == 4  # every graph captured while a request was in flight
+    assert paths.PATHS["capture-switch"].switching and paths.PATHS["capture-switch"].needs_cuda
