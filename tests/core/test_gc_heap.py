@@ -56,6 +56,24 @@ def test_freeze_moves_live_objects_out_and_frees_earlier_frozen_garbage():
     assert unfreeze_heap() is False  # nothing of this module's left to undo
 
 
+def test_keep_frozen_collects_only_what_came_after_the_first_freeze():
+    early = Node()
+    early_ref = weakref.ref(early)
+    freeze_startup_heap("test")  # the API server's early freeze, while its engine loads
+    del early  # a cycle frozen alive: it stays until an unfreeze
+    late = Node()
+    late_ref = weakref.ref(late)
+    del late  # garbage allocated after the first freeze
+    first = gc.get_freeze_count()
+    frozen = freeze_startup_heap("test", keep_frozen=True)
+    assert late_ref() is None  # the new garbage was collected
+    assert early_ref() is not None  # the earlier freeze was kept (no full unfreeze + collect)
+    assert frozen >= first
+    freeze_startup_heap("test")  # without keep_frozen: unfreeze, collect everything
+    assert early_ref() is None
+    unfreeze_heap()
+
+
 def test_off_switch_leaves_an_applications_own_freeze_alone(monkeypatch, tiny_dir):
     monkeypatch.setenv("FD_GC_FREEZE", "0")
     assert freeze_startup_heap("test", enabled=False) == 0

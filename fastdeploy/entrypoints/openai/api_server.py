@@ -121,7 +121,9 @@ def serve(
         on_shutdown=workers.signal_stop if workers is not None else None,
     )
     started.append(server)
-    freeze_startup_heap("api server", envs.FD_GC_FREEZE())  # full collections skip it
+    # Full collections skip the start-up heap; what the early freeze (launch's pre-import
+    # thread) froze stays frozen, so this collects only what was allocated since.
+    freeze_startup_heap("api server", envs.FD_GC_FREEZE(), keep_frozen=True)
     server.run(sockets=[sock] if sock is not None else None)
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
