@@ -110,7 +110,7 @@ def run_engine_core(
 
     flush = getattr(emit, "close", lambda: None)  # the router's sending threads
     try:
-        engine = LLMEngine(config, plan)
+        engine = LLMEngine(config, plan, freeze_heap=False)  # frozen once ready, below
     except BaseException as e:  # noqa: BLE001 - reported to the server, which prints it
         if not isinstance(e, (ValueError, OSError)):
             logger.exception("the engine failed to start")
@@ -128,6 +128,8 @@ def run_engine_core(
                 threads=cpu_threads.thread_settings(),
             )
         )
+        engine.freeze_heap()  # while the API server starts (its first request waits for it)
+        logger.info("start-up heap frozen in %.2f s", engine.startup.seconds["heap_freeze"])
         EngineLoop(engine, commands, emit).run()
     finally:
         flush()
