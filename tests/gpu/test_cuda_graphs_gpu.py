@@ -264,7 +264,7 @@ def test_no_capture_outside_warm_up(llm):
         for kind in ("prefill", "decode"):
             sizes = [s for k, s in part if k == kind]
             assert sizes == sorted(sizes, reverse=True)
-    with pytest.raises(RuntimeError, match="outside warm-up"):
+    with pytest.raises(RuntimeError, match="outside the capture window"):
         graphs.capture_full_decode(1, None, None, None, None)
 
 
