@@ -147,6 +147,14 @@ def stream_token_times(url: str, max_tokens: int, deadline: float) -> list[float
     raise TimeoutError("no answer to the request sent at start")
 
 
+def capture_over(stats: dict) -> bool:
+    """Whether ``/v1/server_info``'s ``stats`` say there is no capture left: every graph done,
+    or an engine that reported stats without ``graph_capture`` (no graphs). Empty stats (the
+    engine process has not reported yet, right after ``/health``) say nothing: False."""
+    graphs = stats.get("graph_capture")
+    return bool(stats) and (graphs is None or bool(graphs.get("done")))
+
+
 def mean_gap_ms(times: list[float]) -> float | None:
     """Mean gap between consecutive token times, in ms (None under two tokens)."""
     if len(times) < 2:
@@ -223,9 +231,10 @@ def run(serve_args: str, max_tokens: int, timeout_s: float) -> Startup:
                     result.health = round(now - t0, 3)
                 if result.health is not None:
                     info = httpx.get(f"{url}/v1/server_info", timeout=5).json()
-                    graphs = (info.get("stats") or {}).get("graph_capture")
+                    stats = info.get("stats") or {}
+                    graphs = stats.get("graph_capture")
                     result.graphs = graphs
-                    if graphs is None or graphs.get("done"):
+                    if capture_over(stats):
                         captured_at = now if graphs is not None else None
                         result.all_captured = round(now - t0, 3) if graphs is not None else None
                         break
@@ -284,6 +293,7 @@ def report(r: Startup) -> str:
         + (f"  ({g.get('captured')}/{g.get('total')}, {g.get('failed')} failed, "
            f"{g.get('seconds')} s capturing, background={g.get('background')})" if g else ""),
         f"capture wall (bg)       {s(r.background_capture_wall_s)}"
+        f"  (capturing {s(g.get('seconds') if g.get('background') else None)})"
         f"  vs blocking capture {s(r.blocking_capture_s)}",
         f"TPOT during capture     {ms(r.tpot_during_capture_ms)}",
         f"TPOT after capture      {ms(r.tpot_after_capture_ms)}",

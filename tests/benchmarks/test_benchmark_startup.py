@@ -46,6 +46,13 @@ def test_checks_judge_only_what_was_measured():
     assert [ok for _, ok in timed.checks()][2] is False  # 5.9 > 4.8
 
 
+def test_capture_is_over_only_once_the_engine_said_so():
+    assert bench.capture_over({}) is False  # no report yet (right after /health): keep polling
+    assert bench.capture_over({"steps_by_mode": {}}) is True  # a report without graphs
+    assert bench.capture_over({"graph_capture": {"done": False, "captured": 3}}) is False
+    assert bench.capture_over({"graph_capture": {"done": True}}) is True
+
+
 def test_the_blocking_run_keeps_the_other_graph_keys():
     import json
     import shlex
