@@ -140,7 +140,8 @@ def import_http_stack_in_background() -> threading.Thread:
 
 def check_host(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     """What this machine must offer before the model's config is read: the device, a valid
-    ``FD_GC_FREEZE`` (used after start-up), and the ports (``--port`` on node 0, and a PD
+    ``FD_GC_FREEZE`` (used after start-up) and ``FD_GRAPH_CAPTURE_BUSY_SHARE`` (read by the
+    engine process, seconds later), and the ports (``--port`` on node 0, and a PD
     node's ``--pd-comm-port``).
 
     Raises:
@@ -150,6 +151,7 @@ def check_host(args: argparse.Namespace, engine_args: EngineArgs) -> None:
 
     check_device_available(engine_args.resolve_device())
     envs.FD_GC_FREEZE()  # used after start-up: a bad value fails here, before the load
+    envs.FD_GRAPH_CAPTURE_BUSY_SHARE()  # read by the engine process, after its imports
     if engine_args.node_rank == 0:  # other nodes serve nothing
         check_port_free(args.host, args.port)
     if engine_args.splitwise_role != "mixed" and engine_args.pd_comm_port:

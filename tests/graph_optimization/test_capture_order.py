@@ -151,3 +151,24 @@ def test_the_busy_share_comes_from_the_environment_and_is_checked(monkeypatch):
             envs.FD_GRAPH_CAPTURE_BUSY_SHARE()
     monkeypatch.delenv("FD_GRAPH_CAPTURE_BUSY_SHARE")
     assert envs.FD_GRAPH_CAPTURE_BUSY_SHARE() == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_a_server_with_a_bad_busy_share_exits_2_before_the_engine_process_starts(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "FD_GRAPH_CAPTURE_BUSY_SHARE": "abc"}
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--device", "cpu",
+         "--model", str(tmp_path / "no-such-model")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2
+    # Named with what is allowed, and not the missing model: checked before the config is read.
+    assert "FD_GRAPH_CAPTURE_BUSY_SHARE='abc' is invalid; allowed: a number > 0" in out.stderr
+    assert "engine process" not in out.stderr
+    assert time.monotonic() - start < 60
