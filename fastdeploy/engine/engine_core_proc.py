@@ -129,7 +129,6 @@ def run_engine_core(
             )
         )
         engine.freeze_heap()  # while the API server starts (its first request waits for it)
-        logger.info("start-up heap frozen in %.2f s", engine.startup.seconds["heap_freeze"])
         EngineLoop(engine, commands, emit).run()
     finally:
         flush()

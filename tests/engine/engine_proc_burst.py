@@ -27,9 +27,12 @@ class StubEngine:
 
     TEXT = 20
 
-    def __init__(self, config, plan) -> None:
+    def __init__(self, config, plan, freeze_heap: bool = True) -> None:
         self.pending: dict[str, int] = {}
         self.config = self.plan = _Info()
+
+    def freeze_heap(self) -> None:  # the engine process calls it once the engine is ready
+        pass
 
     def admission(self):
         return None
