@@ -48,6 +48,7 @@ from fastdeploy.core.messages import (
     EngineMessage,
     EngineReady,
     EngineStartFailed,
+    EngineStats,
     RequestFailed,
     StepOutputs,
     StopLoop,
@@ -128,6 +129,9 @@ def run_engine_core(
                 threads=cpu_threads.thread_settings(),
             )
         )
+        # The counters before the freeze: /metrics and /v1/server_info have them from the first
+        # scrape after /health (the loop sends them again once it runs).
+        emit(EngineStats(engine.get_stats()))
         engine.freeze_heap()  # while the API server starts (its first request waits for it)
         EngineLoop(engine, commands, emit).run()
     finally:
