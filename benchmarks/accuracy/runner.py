@@ -154,6 +154,20 @@ def _drive(engine: Any, requests: dict[str, tuple], timeout_s: float) -> dict[st
     return outs
 
 
+def greedy_from_steps(
+    per_request: Sequence[Sequence[Any]],
+) -> tuple[list[list[int]], list[list[float | None]]]:
+    """Each request's generated tokens and their chosen log-probs, from its ``EngineOutput``
+    list in step order (engine API paths: PD, ``capture-switch``)."""
+    greedy, lps = [], []
+    for outs in per_request:
+        toks = [t for o in outs for t in o.new_token_ids]
+        entries = [e for o in outs for e in (o.new_logprobs or [None] * len(o.new_token_ids))]
+        greedy.append(toks)
+        lps.append(_chosen_logprobs(entries, len(toks)))
+    return greedy, lps
+
+
 def _greedy_params(max_new_tokens: int, schema: dict[str, Any] | None) -> Any:
     """Greedy with the chosen token's log-prob, under ``schema`` when one is given."""
     from fastdeploy import SamplingParams
@@ -196,14 +210,7 @@ def _run_pd(model, kwargs, prompts, max_new_tokens, schema=None) -> PathRun:
         for e in (decode, prefill):
             if e is not None:
                 e.shutdown()
-    greedy, lps = [], []
-    for i in range(len(prompts)):
-        toks = [t for o in d_outs[f"d{i}"] for t in o.new_token_ids]
-        entries = [
-            e for o in d_outs[f"d{i}"] for e in (o.new_logprobs or [None] * len(o.new_token_ids))
-        ]
-        greedy.append(toks)
-        lps.append(_chosen_logprobs(entries, len(toks)))
+    greedy, lps = greedy_from_steps([d_outs[f"d{i}"] for i in range(len(prompts))])
     evidence = {
         "kv_transfers": stats.get("pd", {}).get("transfers", 0),
         "steps_by_mode": stats["steps_by_mode"],

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from accuracy.runner import PathRun, _chosen_logprobs, _greedy_params, _prompt_lps
+from accuracy.runner import PathRun, _greedy_params, _prompt_lps, greedy_from_steps
 
 #: A request that has not finished after this many steps is a hang.
 MAX_STEPS = 100_000
@@ -58,14 +58,7 @@ def run_switching(
         stats = engine.get_stats()
     finally:
         engine.shutdown()
-    greedy_ids, greedy_lps = [], []
-    for i in range(len(prompts)):
-        toks = [t for o in outs[f"g{i}"] for t in o.new_token_ids]
-        entries = [
-            e for o in outs[f"g{i}"] for e in (o.new_logprobs or [None] * len(o.new_token_ids))
-        ]
-        greedy_ids.append(toks)
-        greedy_lps.append(_chosen_logprobs(entries, len(toks)))
+    greedy_ids, greedy_lps = greedy_from_steps([outs[f"g{i}"] for i in range(len(prompts))])
     prompt_lps = [_prompt_lps(tf[f"t{i}"][0].prompt_logprobs) for i in range(len(prompts) + 1)]
     capture = stats.get("graph_capture") or {}
     evidence = {
